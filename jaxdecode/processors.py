@@ -1,0 +1,276 @@
+"""Logit processors: `[B, V]` logits in, `[B, V]` logits out; removed tokens become -inf.
+
+`process_logits` applies them in the documented order, temperature -> top-k -> top-p -> min-p.
+Each one is also usable on its own. All take a scalar or a per-row `[B]` parameter.
+
+Semantics (order-free, so that none of them needs a sort of the vocabulary):
+
+- top-k keeps token i iff fewer than k tokens have a strictly larger logit (boundary ties kept).
+- top-p keeps token i iff the probability mass of the tokens strictly more probable than i is
+  < p (the smallest nucleus reaching p, boundary ties kept, the most probable token always kept).
+- min-p keeps token i iff p_i >= min_p * max_j p_j.
+
+Each kept set is an *upper set* of the row: every token whose logit is >= some threshold. So we
+find the threshold by a bisection over the 32 bits of the float32 order (`_largest_threshold`):
+32 masked reductions over `[B, V]`, exact, with no sort and no data-dependent shapes.
+
+Numerics: all math runs in float32 whatever the input dtype; outputs are cast back to it.
+Input hygiene, applied by every processor:
+
+- NaN logits become -inf (a NaN is never selected);
+- if a row has +inf logits, its distribution is uniform over them: +inf -> 0, the rest -> -inf;
+- a row whose logits are all -inf (or NaN) stays all -inf: it has nothing selectable.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxdecode.params import SamplingParams, as_field
+
+_NEG_INF = float("-inf")
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (Python, before anything is traced or compiled).
+
+
+def check_logits(logits) -> tuple[int, int]:
+  """Checks that `logits` is a floating `[B, V]` array with V >= 1; returns (B, V)."""
+  shape = jnp.shape(logits)
+  if len(shape) != 2:
+    hint = " For one row use logits[None]." if len(shape) == 1 else (
+        " For extra leading axes use jax.vmap." if len(shape) > 2 else "")
+    raise ValueError(f"logits must have shape [B, V] (rank 2); got shape {shape}.{hint}")
+  dtype = jnp.result_type(logits)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"logits must be a floating-point array (float32, bfloat16, float16, ...); "
+                     f"got dtype {dtype}")
+  if shape[1] < 1:
+    raise ValueError(f"logits must have a vocabulary of at least one token; got shape {shape}")
+  return shape
+
+
+def check_row_param(name: str, value, batch_size: int) -> jax.Array:
+  """Validates one per-row parameter (scalar or [B]) and broadcasts it to `[batch_size]`."""
+  value = as_field(name, value)
+  if value.shape not in ((), (batch_size,)):
+    raise ValueError(f"{name} has shape {value.shape} but logits have {batch_size} rows; "
+                     f"expected a scalar or shape ({batch_size},)")
+  return jnp.broadcast_to(value, (batch_size,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Float32 building blocks (traced; shapes in comments).
+
+
+def prepare(logits: jax.Array) -> jax.Array:
+  """float32 copy with the input hygiene rules above applied. [B, V] -> [B, V]."""
+  x = logits.astype(jnp.float32)
+  x = jnp.where(jnp.isnan(x), _NEG_INF, x)
+  has_pos_inf = jnp.any(x == jnp.inf, axis=-1, keepdims=True)  # [B, 1]
+  return jnp.where(has_pos_inf, jnp.where(x == jnp.inf, 0.0, _NEG_INF), x)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+  """Index of the row maximum, ties to the lowest index; NaN-free input. [B, V] -> int32[B].
+
+  Two plain reductions (max, then min over the indices that reach it), which XLA runs faster
+  than its variadic argmax. An all -inf row gives 0.
+  """
+  m = jnp.max(x, axis=-1, keepdims=True)
+  iota = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  return jnp.min(jnp.where(x == m, iota, x.shape[-1]), axis=-1).astype(jnp.int32)
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+  """uint32 keys with the same order as the float32 values (-0.0 and +0.0 tie)."""
+  x = jnp.where(x == 0, 0.0, x)  # -0.0 -> +0.0, so that equal floats get equal keys
+  bits = lax.bitcast_convert_type(x, jnp.uint32)
+  negative = (bits >> 31) == 1
+  return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_threshold(keys: jax.Array, weights, target: jax.Array) -> jax.Array:
+  """Per row, the largest uint32 t with sum(weights[keys >= t]) >= target (0 if none does).
+
+  Bisection from the most significant bit: 32 masked sums over [B, V]. Since the sum only
+  changes at the data's keys, the answer is always one of them.
+
+  Args:
+    keys: uint32[B, V] order keys.
+    weights: [B, V] or scalar non-negative weights (1 counts tokens; probabilities give mass).
+    target: [B] amount to reach.
+
+  Returns:
+    uint32[B].
+  """
+  def body(i, t):
+    candidate = t | (jnp.uint32(1) << jnp.asarray(31 - i, jnp.uint32))  # [B]
+    reached = jnp.sum(jnp.where(keys >= candidate[:, None], weights, 0), axis=-1)
+    return jnp.where(reached >= target, candidate, t)
+
+  return lax.fori_loop(0, 32, body, jnp.zeros(keys.shape[:1], jnp.uint32))
+
+
+def _unnormalized_probs(x: jax.Array):
+  """exp(x - max) per row (0 for rows with nothing selectable), and the row max. [B, V]."""
+  m = jnp.max(x, axis=-1, keepdims=True)
+  e = jnp.where(m > _NEG_INF, jnp.exp(x - m), 0.0)
+  return e, m
+
+
+def apply_temperature(x: jax.Array, t: jax.Array) -> jax.Array:
+  """x / t per row; t == 0 rows become a point mass on their greedy token. float32 [B, V]."""
+  greedy_rows = (t == 0)[:, None]
+  t_safe = jnp.where(greedy_rows, 1.0, t[:, None])
+  scaled = jnp.where(x == _NEG_INF, _NEG_INF, x / t_safe)
+  # A tiny temperature can overflow x / t to +inf; those rows use the equivalent (x - max) / t,
+  # which is <= 0 everywhere (same distribution, no overflow).
+  overflow = jnp.any(scaled == jnp.inf, axis=-1, keepdims=True)
+  m = jnp.max(x, axis=-1, keepdims=True)
+  shifted = jnp.where(x == _NEG_INF, _NEG_INF, (x - m) / t_safe)
+  scaled = jnp.where(overflow, shifted, scaled)
+  iota = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  one_hot = jnp.where(iota == first_argmax(x)[:, None], x, _NEG_INF)
+  return jnp.where(greedy_rows, one_hot, scaled)
+
+
+def apply_top_k(x: jax.Array, k: jax.Array) -> jax.Array:
+  """Keeps tokens with fewer than k strictly larger logits; k <= 0 or k >= V keeps all."""
+  vocab = x.shape[-1]
+  active = (k > 0) & (k < vocab)  # [B]
+
+  def cut(x):
+    keys = _order_keys(x)
+    threshold = _largest_threshold(keys, jnp.int32(1), k)
+    drop = active[:, None] & (keys < threshold[:, None])
+    return jnp.where(drop, _NEG_INF, x)
+
+  return lax.cond(jnp.any(active), cut, lambda x: x, x)
+
+
+def apply_top_p(x: jax.Array, p: jax.Array) -> jax.Array:
+  """Keeps tokens whose strictly-more-probable mass is < p; p >= 1 keeps all."""
+  active = p < 1  # [B]
+
+  def cut(x):
+    e, _ = _unnormalized_probs(x)
+    target = jnp.maximum(p, _TINY) * jnp.sum(e, axis=-1)  # p of the row's mass; > 0 keeps the top
+    keys = _order_keys(x)
+    threshold = _largest_threshold(keys, e, target)
+    drop = active[:, None] & (keys < threshold[:, None])
+    return jnp.where(drop, _NEG_INF, x)
+
+  return lax.cond(jnp.any(active), cut, lambda x: x, x)
+
+
+def apply_min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
+  """Keeps tokens with p_i >= min_p * max_j p_j, i.e. exp(x_i - max) >= min_p."""
+  e, _ = _unnormalized_probs(x)
+  return jnp.where(e >= min_p[:, None], x, _NEG_INF)
+
+
+def process_f32(x: jax.Array, params: SamplingParams) -> jax.Array:
+  """The whole chain on prepared float32 logits with sanitized `[B]` params."""
+  x = apply_temperature(x, params.temperature)
+  x = apply_top_k(x, params.top_k)
+  x = apply_top_p(x, params.top_p)
+  return apply_min_p(x, params.min_p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public processors: validate in Python, then run jitted float32 code, cast back to the input dtype.
+
+
+@jax.jit
+def _process_logits(logits, params):
+  return process_f32(prepare(logits), params.sanitized()).astype(logits.dtype)
+
+
+def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+  """Applies temperature -> top-k -> top-p -> min-p to `[B, V]` logits.
+
+  Args:
+    logits: `[B, V]` floating logits (any float dtype; the math runs in float32).
+    params: a `SamplingParams`; each field a scalar or a `[B]` array.
+
+  Returns:
+    `[B, V]` logits of the input dtype: the processed distribution is their softmax; removed
+    tokens are -inf. Rows with temperature 0 keep only their greedy token.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdecode
+    >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    >>> out = jaxdecode.process_logits(logits, jaxdecode.SamplingParams(top_p=0.8))
+    >>> jnp.isfinite(out).tolist()  # 0.5 + 0.3 reaches 0.8: the third token is not needed
+    [[True, True, False, False]]
+  """
+  batch, _ = check_logits(logits)
+  if not isinstance(params, SamplingParams):
+    raise ValueError(f"params must be a jaxdecode.SamplingParams; got {type(params).__name__}")
+  return _process_logits(logits, params.broadcast(batch))
+
+
+def _public(name: str, field: str, apply):
+  @jax.jit
+  def run(logits, value):
+    p = SamplingParams().replace(**{field: value}).sanitized()
+    return apply(prepare(logits), getattr(p, field)).astype(logits.dtype)
+
+  def processor(logits: jax.Array, value) -> jax.Array:
+    batch, _ = check_logits(logits)
+    return run(logits, check_row_param(field, value, batch))
+
+  processor.__name__ = processor.__qualname__ = name
+  return processor
+
+
+temperature = _public("temperature", "temperature", apply_temperature)
+temperature.__doc__ = """Divides `[B, V]` logits by a temperature (scalar or `[B]`, >= 0).
+
+  0 keeps only the greedy token (argmax, ties to the lowest index); values below 1 sharpen the
+  distribution, above 1 flatten it, 1 returns the logits unchanged.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdecode
+    >>> jaxdecode.processors.temperature(jnp.array([[1.0, 3.0, 3.0]]), 0.0).tolist()
+    [[-inf, 3.0, -inf]]
+  """
+
+top_k = _public("top_k", "top_k", apply_top_k)
+top_k.__doc__ = """Keeps the tokens that have fewer than k strictly larger logits (0 disables).
+
+  Ties at the boundary are all kept, so more than k tokens can survive.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdecode
+    >>> jaxdecode.processors.top_k(jnp.array([[1.0, 3.0, 2.0, 2.0]]), 2).tolist()
+    [[-inf, 3.0, 2.0, 2.0]]
+  """
+
+top_p = _public("top_p", "top_p", apply_top_p)
+top_p.__doc__ = """Keeps the smallest high-probability set whose mass reaches p (1 disables).
+
+  Token i is kept iff the mass of the tokens strictly more probable than i is < p; ties at the
+  boundary are kept and the most probable token always is.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdecode
+    >>> logits = jnp.log(jnp.array([[0.1, 0.6, 0.3]]))
+    >>> jnp.isfinite(jaxdecode.processors.top_p(logits, 0.6)).tolist()
+    [[False, True, False]]
+  """
+
+min_p = _public("min_p", "min_p", apply_min_p)
+min_p.__doc__ = """Keeps the tokens with probability >= min_p times the largest one (0 disables).
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdecode
+    >>> logits = jnp.log(jnp.array([[0.1, 0.6, 0.3]]))
+    >>> jnp.isfinite(jaxdecode.processors.min_p(logits, 0.4)).tolist()
+    [[False, True, True]]
+  """

@@ -1,0 +1,178 @@
+"""Selection rules: `[B, V]` logits (and a key) in, `int32[B]` tokens out.
+
+Key policy (the reproducibility contract, see DESIGN.md):
+
+- `key` is one key or one key per row (`[B]`); typed keys (`jax.random.key`) and legacy uint32
+  keys (`jax.random.PRNGKey`, shape `[2]` or `[B, 2]`) are both accepted.
+- With one key, row r uses `fold_in(key, r)`; with per-row keys, row r uses `keys[r]`.
+- A row draws exactly one uniform number from its own key and nothing else, so its token depends
+  only on its key, its logits and its params: not on the batch size, its slot or the other rows.
+
+Sampling is an inverse-CDF draw over the processed distribution, done in two levels (blocks of
+the vocabulary, then tokens inside the chosen block) so that no full-vocabulary cumulative sum is
+needed. It can only return a token of positive processed probability.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxdecode import processors
+from jaxdecode.params import SamplingParams
+
+_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
+
+
+def _check_key(key, batch_size: int) -> None:
+  """Raises ValueError unless `key` is one key or `batch_size` keys, typed or legacy uint32."""
+  shape, dtype = jnp.shape(key), jnp.result_type(key)
+  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    if shape not in ((), (batch_size,)):
+      raise ValueError(f"key must be one typed key (shape ()) or one per row (shape "
+                       f"({batch_size},)); got shape {shape}")
+    return
+  if dtype != jnp.uint32:
+    raise ValueError(f"key must be a jax.random.key(...) or a legacy uint32 jax.random.PRNGKey; "
+                     f"got dtype {dtype} with shape {shape}")
+  key_size = jax.random.key_data(jax.random.key(0)).shape[-1]
+  if shape not in ((key_size,), (batch_size, key_size)):
+    raise ValueError(f"a legacy uint32 key must have shape ({key_size},) for one key or "
+                     f"({batch_size}, {key_size}) for one per row; got shape {shape}")
+
+
+def row_keys(key, batch_size: int) -> jax.Array:
+  """Typed keys `[batch_size]`, one per row, following the key policy."""
+  if not jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
+    key = jax.random.wrap_key_data(key)
+  if key.shape == ():
+    return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(batch_size, dtype=jnp.uint32))
+  return key
+
+
+def _first_true(mask: jax.Array) -> jax.Array:
+  """Index of the first True along the last axis (0 if none). [..., N] -> int32[...]."""
+  return jnp.argmax(mask, axis=-1).astype(jnp.int32)
+
+
+def inverse_cdf(x: jax.Array, u: jax.Array):
+  """Draws one token per row from softmax(x), given one uniform in [0, 1) per row.
+
+  Args:
+    x: float32[B, V] processed logits (-inf for removed tokens).
+    u: float32[B] uniforms.
+
+  Returns:
+    (int32[B] tokens, float32[B] log-probabilities of those tokens under softmax(x)). Rows with
+    nothing selectable give token 0 and log-probability NaN.
+  """
+  batch, vocab = x.shape
+  block = min(_BLOCK, vocab)
+  blocks = -(-vocab // block)
+  e, m = processors._unnormalized_probs(x)  # [B, V], [B, 1]
+  e = jnp.pad(e, ((0, 0), (0, blocks * block - vocab))).reshape(batch, blocks, block)
+
+  block_mass = jnp.sum(e, axis=-1)  # [B, nb]
+  block_cdf = jnp.cumsum(block_mass, axis=-1)  # [B, nb]
+  total = block_cdf[:, -1]  # [B]
+  target = u * total
+  # The first block whose cumulative mass passes the target; never an empty block.
+  b = _first_true((block_cdf > target[:, None]) & (block_mass > 0))
+  b = jnp.where(jnp.any((block_cdf > target[:, None]) & (block_mass > 0), axis=-1), b,
+                blocks - 1 - _first_true((block_mass > 0)[:, ::-1]))  # rounding: last non-empty
+  inside = jnp.take_along_axis(e, b[:, None, None], axis=1)[:, 0]  # [B, block]
+  before = jnp.take_along_axis(block_cdf - block_mass, b[:, None], axis=1)[:, 0]  # [B]
+  cdf = jnp.cumsum(inside, axis=-1)
+  hit = (cdf > (target - before)[:, None]) & (inside > 0)
+  j = jnp.where(jnp.any(hit, axis=-1), _first_true(hit),
+                block - 1 - _first_true((inside > 0)[:, ::-1]))  # rounding: last positive
+  ok = total > 0
+  token = jnp.where(ok, b * block + j, 0).astype(jnp.int32)
+
+  x_token = jnp.take_along_axis(x, token[:, None], axis=1)[:, 0]
+  logprob = jnp.where(ok, x_token - m[:, 0] - jnp.log(total), jnp.nan)
+  return token, logprob
+
+
+def _sample(key, logits, params):
+  batch = logits.shape[0]
+  keys = row_keys(key, batch)
+  u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)  # [B]
+  x = processors.process_f32(processors.prepare(logits), params.sanitized())
+  return inverse_cdf(x, u)
+
+
+_sample_jit = jax.jit(_sample)
+
+
+def _check(key, logits, params) -> SamplingParams:
+  batch, _ = processors.check_logits(logits)
+  if not isinstance(params, SamplingParams):
+    raise ValueError(f"params must be a jaxdecode.SamplingParams; got {type(params).__name__}")
+  _check_key(key, batch)
+  return params.broadcast(batch)
+
+
+def sample_with_logprobs(key, logits: jax.Array, params: SamplingParams | None = None):
+  """Samples one token per row and returns it with its log-probability.
+
+  Args:
+    key: one key, or one key per row (`[B]` typed keys or `[B, 2]` legacy uint32 keys).
+    logits: `[B, V]` floating logits.
+    params: a `SamplingParams` (default: plain sampling at temperature 1).
+
+  Returns:
+    `(tokens, logprobs)`: `int32[B]` and `float32[B]`, the log-probability of each chosen token
+    under the processed distribution (0 for temperature-0 rows). A row with nothing selectable
+    (all logits -inf or NaN) gives token 0 and log-probability NaN.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxdecode
+    >>> logits = jnp.log(jnp.array([[0.7, 0.2, 0.1], [0.1, 0.2, 0.7]]))
+    >>> params = jaxdecode.SamplingParams(temperature=jnp.array([0.0, 1.0]), top_k=1)
+    >>> tokens, logprobs = jaxdecode.sample_with_logprobs(jax.random.key(0), logits, params)
+    >>> tokens.tolist(), logprobs.tolist()
+    ([0, 2], [0.0, 0.0])
+  """
+  params = SamplingParams() if params is None else params
+  return _sample_jit(key, logits, _check(key, logits, params))
+
+
+def sample(key, logits: jax.Array, params: SamplingParams | None = None) -> jax.Array:
+  """Samples one token per row from the processed distribution; see `sample_with_logprobs`.
+
+  Rows with `temperature == 0` return exactly `greedy(logits)`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxdecode
+    >>> logits = jnp.array([[0.0, 5.0, 1.0]])
+    >>> jaxdecode.sample(jax.random.key(0), logits, jaxdecode.SamplingParams(temperature=0.0))
+    Array([1], dtype=int32)
+  """
+  return sample_with_logprobs(key, logits, params)[0]
+
+
+@jax.jit
+def _greedy(logits):
+  return processors.first_argmax(processors.prepare(logits))
+
+
+def greedy(logits: jax.Array) -> jax.Array:
+  """The most probable token of each row: `int32[B]`, ties to the lowest index.
+
+  NaN logits are never chosen while another entry exists; a row of all -inf/NaN gives 0.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdecode
+    >>> jaxdecode.greedy(jnp.array([[1.0, 3.0, 3.0], [jnp.nan, 0.0, -1.0]]))
+    Array([1, 1], dtype=int32)
+  """
+  processors.check_logits(logits)
+  return _greedy(logits)
+
+
+def selectable(logits: jax.Array) -> jax.Array:
+  """`bool[B]`: True where a row has a token that can be selected (a non-NaN entry > -inf)."""
+  processors.check_logits(logits)
+  return jnp.any(processors.prepare(logits) > -jnp.inf, axis=-1)
