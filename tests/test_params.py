@@ -1,0 +1,97 @@
+"""SamplingParams: a pytree of traced per-row values with eager validation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdecode
+from jaxdecode import SamplingParams
+
+
+def test_defaults_are_the_disabled_values():
+  p = SamplingParams()
+  assert (float(p.temperature), int(p.top_k), float(p.top_p), float(p.min_p)) == (1.0, 0, 1.0, 0.0)
+  assert p.top_k.dtype == jnp.int32 and p.temperature.dtype == jnp.float32
+
+
+def test_is_a_pytree_of_four_leaves_that_round_trips():
+  p = SamplingParams(temperature=[0.5, 1.0], top_k=3, top_p=0.9, min_p=0.1)
+  leaves, treedef = jax.tree.flatten(p)
+  assert len(leaves) == 4
+  q = jax.tree.unflatten(treedef, leaves)
+  assert isinstance(q, SamplingParams)
+  np.testing.assert_array_equal(q.temperature, [0.5, 1.0])
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("temperature", -0.1, "temperature must be a finite number >= 0"),
+    ("temperature", float("nan"), "got nan"),
+    ("temperature", float("inf"), "got inf"),
+    ("top_k", -1, "top_k must be an integer >= 0"),
+    ("top_k", 2.5, "pass integers"),
+    ("top_k", 3.0, "pass integers"),
+    ("top_k", True, "boolean"),
+    ("top_p", 0.0, "0 < top_p <= 1"),
+    ("top_p", 1.5, "got 1.5"),
+    ("top_p", float("nan"), "got nan"),
+    ("min_p", -0.01, "0 <= min_p <= 1"),
+    ("min_p", float("nan"), "got nan"),
+    ("top_p", "high", "top_p must be"),
+])
+def test_bad_values_raise_value_error_naming_field_value_and_range(field, value, fragment):
+  with pytest.raises(ValueError) as info:
+    SamplingParams(**{field: value})
+  message = str(info.value)
+  assert field in message and fragment in message
+
+
+def test_bad_entry_of_a_per_row_array_is_named_with_its_index():
+  with pytest.raises(ValueError, match=r"top_p\[2\] = 1.5"):
+    SamplingParams(top_p=[0.9, 1.0, 1.5])
+  with pytest.raises(ValueError, match=r"scalar or a 1-D array"):
+    SamplingParams(temperature=np.ones((2, 2)))
+
+
+def test_replace_validates_and_rejects_unknown_fields():
+  p = SamplingParams(top_p=0.9)
+  assert float(p.replace(top_k=5).top_k) == 5
+  with pytest.raises(ValueError, match="top_k"):
+    p.replace(top_k=-3)
+  with pytest.raises(ValueError, match="unknown SamplingParams field"):
+    p.replace(topp=0.5)
+
+
+def test_broadcast_checks_the_batch_size():
+  p = SamplingParams(temperature=[0.1, 0.2, 0.3])
+  assert p.broadcast(3).top_p.shape == (3,)
+  with pytest.raises(ValueError, match=r"temperature has shape \(3,\) but the batch has 4 rows"):
+    p.broadcast(4)
+
+
+def test_traced_values_are_accepted_and_sanitized_under_jit():
+  @jax.jit
+  def build(t, k, p, m):
+    return SamplingParams(t, k, p, m).sanitized()
+
+  s = build(jnp.array([jnp.nan, -1.0, 0.5]), jnp.array([-4, 0, 7]),
+            jnp.array([jnp.nan, -0.5, 2.0]), jnp.array([jnp.nan, -1.0, 3.0]))
+  np.testing.assert_array_equal(s.temperature, [0.0, 0.0, 0.5])
+  np.testing.assert_array_equal(s.top_k, [0, 0, 7])
+  np.testing.assert_array_equal(s.top_p, [1.0, 0.0, 1.0])
+  np.testing.assert_array_equal(s.min_p, [0.0, 0.0, 1.0])
+
+
+def test_traced_float_top_k_is_rejected_at_trace_time():
+  with pytest.raises(ValueError, match="top_k must be an integer"):
+    jax.jit(lambda k: SamplingParams(top_k=k))(jnp.float32(3))
+
+
+def test_params_work_as_vmap_in_axes_and_tree_map():
+  p = SamplingParams(temperature=[0.5, 1.0])
+  doubled = jax.tree.map(lambda v: v * 2, p)
+  np.testing.assert_array_equal(doubled.temperature, [1.0, 2.0])
+  axes = SamplingParams.tree_unflatten(None, (0, None, None, None))
+  out = jax.vmap(lambda q: q.temperature + q.top_p, in_axes=(axes,))(p)
+  np.testing.assert_array_equal(out, [1.5, 2.0])
+  assert jaxdecode.SamplingParams is SamplingParams
