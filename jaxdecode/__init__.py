@@ -1,6 +1,11 @@
 """jaxdecode: exact, reproducible, jit-compiled decoding for JAX language models."""
 
 from jaxdecode import processors
+from jaxdecode.decoding import DecodeOutput
+from jaxdecode.decoding import decode
+from jaxdecode.decoding import left_pad
+from jaxdecode.decoding import prompt_mask
+from jaxdecode.decoding import prompt_positions
 from jaxdecode.params import SamplingParams
 from jaxdecode.processors import process_logits
 from jaxdecode.sampling import greedy
@@ -11,10 +16,15 @@ from jaxdecode.sampling import selectable
 __version__ = "0.1.0"
 
 __all__ = [
+    "DecodeOutput",
     "SamplingParams",
+    "decode",
     "greedy",
+    "left_pad",
     "process_logits",
     "processors",
+    "prompt_mask",
+    "prompt_positions",
     "sample",
     "sample_with_logprobs",
     "selectable",

@@ -25,7 +25,7 @@ from jaxdecode.params import SamplingParams
 _BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
 
 
-def _check_key(key, batch_size: int) -> None:
+def check_key(key, batch_size: int) -> None:
   """Raises ValueError unless `key` is one key or `batch_size` keys, typed or legacy uint32."""
   shape, dtype = jnp.shape(key), jnp.result_type(key)
   if jnp.issubdtype(dtype, jax.dtypes.prng_key):
@@ -110,7 +110,7 @@ def _check(key, logits, params) -> SamplingParams:
   batch, _ = processors.check_logits(logits)
   if not isinstance(params, SamplingParams):
     raise ValueError(f"params must be a jaxdecode.SamplingParams; got {type(params).__name__}")
-  _check_key(key, batch)
+  check_key(key, batch)
   return params.broadcast(batch)
 
 
