@@ -1,0 +1,112 @@
+"""The `jaxdecode` command: generate, eval, train, bench.
+
+A user's mistake (a bad flag, value or file) gets a one-line error and exit status 2, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse that reports a bad command line in one line."""
+
+  def error(self, message):
+    self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+  return value
+
+
+def _number(text: str) -> float:
+  try:
+    return float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _integer(text: str) -> int:
+  try:
+    return int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = _Parser(prog="jaxdecode", description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+  g = sub.add_parser("generate", help="continue text prompts with the embedded model")
+  g.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
+  g.add_argument("--temperature", type=_number, default=0.8)
+  g.add_argument("--top-k", type=_integer, default=0)
+  g.add_argument("--top-p", type=_number, default=0.95)
+  g.add_argument("--min-p", type=_number, default=0.0)
+  g.add_argument("--seed", type=_integer, default=0)
+  g.add_argument("--max-new-tokens", type=_positive_int, default=160)
+  g.add_argument("--greedy", action="store_true", help="temperature 0 (overrides --temperature)")
+  g.add_argument("--model", default=None, help="a checkpoint from `jaxdecode train` "
+                                               "(default: the embedded model)")
+
+  e = sub.add_parser("eval", help="the model's loss on a text file, in nats and bits per byte")
+  e.add_argument("file")
+  e.add_argument("--model", default=None)
+
+  t = sub.add_parser("train", help="train the small transformer with optax")
+  t.add_argument("--corpus", default=None,
+                 help="a UTF-8 text file (default: CPython's bundled pydoc_data.topics)")
+  t.add_argument("--out", default="jaxdecode_model.msgpack", help="checkpoint path")
+  t.add_argument("--steps", type=_positive_int, default=1200)
+  t.add_argument("--batch-size", type=_positive_int, default=16)
+  t.add_argument("--seq-len", type=_positive_int, default=256)
+  t.add_argument("--lr", type=_number, default=2e-3)
+  t.add_argument("--warmup-steps", type=_integer, default=100)
+  t.add_argument("--eval-every", type=_positive_int, default=100)
+  t.add_argument("--seed", type=_integer, default=0)
+  t.add_argument("--d-model", type=_positive_int, default=256)
+  t.add_argument("--layers", type=_positive_int, default=4)
+  t.add_argument("--heads", type=_positive_int, default=4)
+  t.add_argument("--d-ff", type=_positive_int, default=1024)
+  t.add_argument("--max-len", type=_positive_int, default=256)
+  return parser
+
+
+def _train(args) -> None:
+  from jaxdecode import training  # pylint: disable=import-outside-toplevel
+  from jaxdecode.models import TransformerConfig  # pylint: disable=import-outside-toplevel
+  if args.seq_len > args.max_len:
+    raise ValueError(f"--seq-len {args.seq_len} is longer than --max-len {args.max_len}")
+  model_config = TransformerConfig(d_model=args.d_model, n_layers=args.layers,
+                                   n_heads=args.heads, d_ff=args.d_ff, max_len=args.max_len)
+  cfg = training.TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                             peak_lr=args.lr, warmup_steps=args.warmup_steps,
+                             eval_every=args.eval_every, seed=args.seed)
+  summary = training.train(model_config, cfg, corpus=args.corpus, out=args.out)
+  print(f"best validation loss {summary['val_loss']:.4f} nats/byte after {cfg.steps} steps "
+        f"({summary['seconds'] / 60:.1f} min); saved {args.out}")
+
+
+COMMANDS = {"train": _train}
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    COMMANDS[args.command](args)
+  except ValueError as e:
+    print(f"jaxdecode {args.command}: error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,267 @@
+"""Train the small byte-level transformer on a text corpus with optax.
+
+The default corpus is the text of CPython's bundled `pydoc_data.topics` (present on every Python
+install, no download): each topic's text followed by an EOS token, so the model also learns to end.
+`--corpus FILE` takes any UTF-8 text file instead.
+
+Every training window starts with BOS, like a generation prompt does, and the loss is the mean
+next-token cross-entropy in nats per byte (the target tokens are bytes, plus the EOS ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from flax import serialization
+
+from jaxdecode.models.tokenizer import ByteTokenizer
+from jaxdecode.models.transformer import Transformer, TransformerConfig
+
+TOKENIZER = ByteTokenizer()
+
+
+# ---------------------------------------------------------------------------------------------
+# Data.
+
+
+def default_corpus_documents() -> list[str]:
+  """The topic texts of CPython's bundled pydoc_data.topics, in sorted topic order."""
+  from pydoc_data import topics  # pylint: disable=import-outside-toplevel
+  return [topics.topics[name] for name in sorted(topics.topics)]
+
+
+def encode_documents(documents: list[str], *, eos_between: bool = True) -> np.ndarray:
+  """One int32 token stream: each document's bytes, followed by EOS when `eos_between`."""
+  parts = []
+  for doc in documents:
+    parts.append(np.frombuffer(doc.encode("utf-8"), np.uint8).astype(np.int32))
+    if eos_between:
+      parts.append(np.array([TOKENIZER.EOS], np.int32))
+  return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def load_corpus(path: str | None) -> np.ndarray:
+  """The token stream of a text file, or of the default corpus when `path` is None."""
+  if path is None:
+    return encode_documents(default_corpus_documents())
+  if not os.path.isfile(path):
+    raise ValueError(f"corpus must be a readable text file; got {path!r}, which does not exist")
+  with open(path, "rb") as f:
+    data = f.read()
+  try:
+    data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"corpus {path!r} is not UTF-8 text ({e})") from e
+  return np.frombuffer(data, np.uint8).astype(np.int32)
+
+
+def split_stream(stream: np.ndarray, *, every: int = 20, chunk: int = 4096):
+  """(train, validation): every `every`-th chunk of `chunk` tokens is held out."""
+  chunks = [stream[i:i + chunk] for i in range(0, len(stream), chunk)]
+  val = [c for i, c in enumerate(chunks) if i % every == every - 1]
+  train = [c for i, c in enumerate(chunks) if i % every != every - 1]
+  if not val:  # a tiny corpus: hold out its tail
+    cut = max(1, len(stream) // every)
+    return stream[:-cut], stream[-cut:]
+  return np.concatenate(train), np.concatenate(val)
+
+
+def windows(stream: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Non-overlapping evaluation windows covering every token of `stream` exactly once.
+
+  Returns (inputs, targets), int32[N, seq_len] each: inputs start with BOS; targets past the end
+  of the stream are -1 (ignored).
+  """
+  n = max(1, math.ceil(len(stream) / seq_len))
+  targets = np.full((n, seq_len), -1, np.int32)
+  targets.reshape(-1)[:len(stream)] = stream
+  inputs = np.concatenate([np.full((n, 1), TOKENIZER.BOS, np.int32), targets[:, :-1]], axis=1)
+  inputs = np.where(inputs < 0, TOKENIZER.PAD, inputs)
+  return inputs, targets
+
+
+def random_batches(stream: np.ndarray, batch_size: int, seq_len: int,
+                   seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+  """Endless random windows: inputs [BOS, t0 .. t_{L-2}], targets [t0 .. t_{L-1}]."""
+  if len(stream) < seq_len + 1:
+    raise ValueError(f"the training text has {len(stream)} tokens; it needs at least "
+                     f"{seq_len + 1} for windows of {seq_len}")
+  rng = np.random.default_rng(seed)
+  bos = np.full((batch_size, 1), TOKENIZER.BOS, np.int32)
+  while True:
+    starts = rng.integers(0, len(stream) - seq_len, batch_size)
+    targets = np.stack([stream[s:s + seq_len] for s in starts])
+    yield np.concatenate([bos, targets[:, :-1]], axis=1), targets
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss, step, evaluation.
+
+
+def loss_and_count(model: Transformer, inputs: jax.Array, targets: jax.Array):
+  """(summed cross-entropy in nats, number of target tokens); targets < 0 are ignored."""
+  batch, length = inputs.shape
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  logits = model(inputs, positions, jnp.ones((batch, length), bool))  # [B, T, V]
+  valid = targets >= 0
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  picked = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+  return -jnp.sum(jnp.where(valid, picked, 0.0)), jnp.sum(valid)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 3000
+  batch_size: int = 32
+  seq_len: int = 256
+  peak_lr: float = 2e-3
+  warmup_steps: int = 200
+  weight_decay: float = 0.05
+  clip_norm: float = 1.0
+  eval_every: int = 250
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("steps", "batch_size", "seq_len", "eval_every"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+    if not self.peak_lr > 0:
+      raise ValueError(f"peak_lr must be > 0; got {self.peak_lr!r}")
+    if self.warmup_steps < 0:
+      raise ValueError(f"warmup_steps must be >= 0; got {self.warmup_steps!r}")
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  """AdamW on a warmup + cosine schedule, after global-norm gradient clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, cfg.peak_lr, min(cfg.warmup_steps, max(cfg.steps - 1, 0)), max(cfg.steps, 1),
+      end_value=cfg.peak_lr * 0.05)
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norms
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay,
+                                 mask=decay_mask))
+
+
+def make_train_step(graphdef, optimizer):
+  @jax.jit
+  def train_step(weights, opt_state, inputs, targets):
+    def loss_fn(w):
+      total, count = loss_and_count(nnx.merge(graphdef, w), inputs, targets)
+      return total / count
+
+    loss, grads = jax.value_and_grad(loss_fn)(weights)
+    updates, opt_state = optimizer.update(grads, opt_state, weights)
+    return optax.apply_updates(weights, updates), opt_state, loss
+
+  return train_step
+
+
+def evaluate(graphdef, weights, stream: np.ndarray, seq_len: int, batch_size: int = 16) -> float:
+  """Mean cross-entropy of the model on `stream`, in nats per token (byte)."""
+  inputs, targets = windows(stream, seq_len)
+
+  @jax.jit
+  def batch_loss(weights, inputs, targets):
+    return loss_and_count(nnx.merge(graphdef, weights), inputs, targets)
+
+  total, count = 0.0, 0
+  for i in range(0, len(inputs), batch_size):
+    x, y = inputs[i:i + batch_size], targets[i:i + batch_size]
+    if len(x) < batch_size:  # pad the last batch to the same shape (no recompilation)
+      pad = batch_size - len(x)
+      x = np.concatenate([x, np.full((pad, seq_len), TOKENIZER.PAD, np.int32)])
+      y = np.concatenate([y, np.full((pad, seq_len), -1, np.int32)])
+    s, c = batch_loss(weights, jnp.asarray(x), jnp.asarray(y))
+    total, count = total + float(s), count + int(c)
+  return total / max(count, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: one msgpack file holding the model config and the weights (float16 on disk).
+
+
+def save_checkpoint(path: str, config: TransformerConfig, weights, *, metadata=None) -> None:
+  pure = jax.tree.map(lambda a: np.asarray(a, np.float16), nnx.to_pure_dict(weights))
+  blob = {"config": json.dumps(dataclasses.asdict(config)),
+          "metadata": json.dumps(metadata or {}), "weights": pure}
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "wb") as f:
+    f.write(serialization.msgpack_serialize(blob))
+
+
+def load_checkpoint(path: str):
+  """(model, metadata) from a file written by `save_checkpoint`; weights back in float32."""
+  with open(path, "rb") as f:
+    blob = serialization.msgpack_restore(f.read())
+  config = TransformerConfig(**json.loads(blob["config"]))
+  model = Transformer(config, rngs=nnx.Rngs(0))
+  graphdef, weights = nnx.split(model)
+  restored = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), blob["weights"])
+  nnx.replace_by_pure_dict(weights, restored)
+  return nnx.merge(graphdef, weights), json.loads(blob["metadata"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
+
+
+def _progress(step: int, total: int, loss: float, started: float, stream=sys.stderr) -> None:
+  width = 30
+  done = int(width * step / total)
+  rate = step / max(time.perf_counter() - started, 1e-9)
+  eta = (total - step) / max(rate, 1e-9)
+  stream.write(f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.3f}  "
+               f"{rate:.2f} steps/s  eta {eta / 60:.1f} min ")
+  stream.flush()
+
+
+def train(model_config: TransformerConfig, cfg: TrainConfig, *, corpus: str | None = None,
+          out: str | None = None, log=sys.stderr) -> dict:
+  """Trains a new model; returns a summary dict (losses, timings) and saves to `out` if given."""
+  stream = load_corpus(corpus)
+  train_stream, val_stream = split_stream(stream)
+  model = Transformer(model_config, rngs=nnx.Rngs(cfg.seed))
+  graphdef, weights = nnx.split(model)
+  optimizer = make_optimizer(cfg)
+  opt_state = optimizer.init(weights)
+  step_fn = make_train_step(graphdef, optimizer)
+  batches = random_batches(train_stream, cfg.batch_size, cfg.seq_len, cfg.seed)
+  history = []
+  started = time.perf_counter()
+  loss = float("nan")
+  for step in range(1, cfg.steps + 1):
+    inputs, targets = next(batches)
+    weights, opt_state, loss = step_fn(weights, opt_state, jnp.asarray(inputs),
+                                       jnp.asarray(targets))
+    if step % 10 == 0 or step == cfg.steps:
+      _progress(step, cfg.steps, float(loss), started, log)
+    if step % cfg.eval_every == 0 or step == cfg.steps:
+      val = evaluate(graphdef, weights, val_stream, cfg.seq_len)
+      history.append({"step": step, "train_loss": float(loss), "val_loss": val})
+      log.write(f"\n  step {step}: train {float(loss):.4f}  validation {val:.4f} nats/byte\n")
+      if val <= min(h["val_loss"] for h in history):  # keep the best weights, not the last
+        best = weights
+  summary = _metadata(cfg, corpus, history, train_stream, val_stream)
+  summary["seconds"] = time.perf_counter() - started
+  if out:
+    save_checkpoint(out, model_config, best, metadata=summary)
+  return summary
+
+
+def _metadata(cfg, corpus, history, train_stream, val_stream) -> dict:
+  return {"train": dataclasses.asdict(cfg), "corpus": corpus or "pydoc_data.topics",
+          "python": sys.version.split()[0], "train_tokens": int(len(train_stream)),
+          "val_tokens": int(len(val_stream)), "history": history,
+          "val_loss": min(h["val_loss"] for h in history) if history else None}
