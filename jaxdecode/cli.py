@@ -95,11 +95,62 @@ def _train(args) -> None:
         f"({summary['seconds'] / 60:.1f} min); saved {args.out}")
 
 
-COMMANDS = {"train": _train}
+def _load_model(path):
+  from jaxdecode import models  # pylint: disable=import-outside-toplevel
+  if path is None:
+    return models.load_default()[0]
+  return models.load_checkpoint(path)[0]
+
+
+def _generate(args) -> None:
+  from jaxdecode import SamplingParams  # pylint: disable=import-outside-toplevel
+  from jaxdecode.models import generate  # pylint: disable=import-outside-toplevel
+  for i, prompt in enumerate(args.prompts):
+    if not prompt.strip():
+      raise ValueError(f"prompt {i + 1} is empty; give some text to continue")
+  temperature = 0.0 if args.greedy else args.temperature
+  params = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p)
+  model = _load_model(args.model)
+  out = generate(args.prompts, model=model, params=params, seed=args.seed,
+                 max_new_tokens=args.max_new_tokens)
+  for i, (prompt, text) in enumerate(zip(args.prompts, out.texts)):
+    print(f"--- [{i + 1}] {prompt!r}")
+    print(prompt + text)
+  settings = ("greedy" if args.greedy else
+              f"temperature={temperature:g} top_k={args.top_k} top_p={args.top_p:g} "
+              f"min_p={args.min_p:g}")
+  print(f"--- {settings} seed={args.seed} | {len(args.prompts)} prompt(s), "
+        f"{int(out.lengths.sum())} new tokens in {out.seconds:.2f} s "
+        f"({out.tokens_per_second:.0f} tokens/s, compilation included)")
+
+
+def _eval(args) -> None:
+  import math  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from jaxdecode import training  # pylint: disable=import-outside-toplevel
+  if not os.path.isfile(args.file):
+    raise ValueError(f"{args.file!r} is not a readable file")
+  with open(args.file, "rb") as f:
+    data = np.frombuffer(f.read(), np.uint8).astype(np.int32)
+  if data.size == 0:
+    raise ValueError(f"{args.file!r} is empty; nothing to evaluate")
+  model = _load_model(args.model)
+  graphdef, weights = nnx.split(model)
+  nats = training.evaluate(graphdef, weights, data, model.config.max_len)
+  print(f"{nats:.4f} nats/byte ({nats / math.log(2):.4f} bits/byte) over {data.size} bytes")
+
+
+COMMANDS = {"generate": _generate, "eval": _eval, "train": _train}
 
 
 def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
+  try:
+    args = build_parser().parse_args(argv)
+  except SystemExit as e:  # --help (0) or a bad command line (2, already reported in one line)
+    return int(e.code or 0)
   try:
     COMMANDS[args.command](args)
   except ValueError as e:

@@ -11,7 +11,6 @@ next-token cross-entropy in nats per byte (the target tokens are bytes, plus the
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -23,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from flax import serialization
 
+from jaxdecode.models.checkpoint import save_checkpoint
 from jaxdecode.models.tokenizer import ByteTokenizer
 from jaxdecode.models.transformer import Transformer, TransformerConfig
 
@@ -186,31 +185,6 @@ def evaluate(graphdef, weights, stream: np.ndarray, seq_len: int, batch_size: in
     s, c = batch_loss(weights, jnp.asarray(x), jnp.asarray(y))
     total, count = total + float(s), count + int(c)
   return total / max(count, 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints: one msgpack file holding the model config and the weights (float16 on disk).
-
-
-def save_checkpoint(path: str, config: TransformerConfig, weights, *, metadata=None) -> None:
-  pure = jax.tree.map(lambda a: np.asarray(a, np.float16), nnx.to_pure_dict(weights))
-  blob = {"config": json.dumps(dataclasses.asdict(config)),
-          "metadata": json.dumps(metadata or {}), "weights": pure}
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "wb") as f:
-    f.write(serialization.msgpack_serialize(blob))
-
-
-def load_checkpoint(path: str):
-  """(model, metadata) from a file written by `save_checkpoint`; weights back in float32."""
-  with open(path, "rb") as f:
-    blob = serialization.msgpack_restore(f.read())
-  config = TransformerConfig(**json.loads(blob["config"]))
-  model = Transformer(config, rngs=nnx.Rngs(0))
-  graphdef, weights = nnx.split(model)
-  restored = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), blob["weights"])
-  nnx.replace_by_pure_dict(weights, restored)
-  return nnx.merge(graphdef, weights), json.loads(blob["metadata"])
 
 
 # ---------------------------------------------------------------------------------------------

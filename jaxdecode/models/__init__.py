@@ -1,5 +1,11 @@
-"""A small Flax NNX transformer with a KV cache, and a byte tokenizer."""
+"""A small Flax NNX transformer with a KV cache, a byte tokenizer, embedded weights, `generate`."""
 
+from jaxdecode.models.checkpoint import default_metadata
+from jaxdecode.models.checkpoint import load_checkpoint
+from jaxdecode.models.checkpoint import load_default
+from jaxdecode.models.checkpoint import save_checkpoint
+from jaxdecode.models.generate import Generation
+from jaxdecode.models.generate import generate
 from jaxdecode.models.tokenizer import ByteTokenizer
 from jaxdecode.models.transformer import DecodeState
 from jaxdecode.models.transformer import KVCache
@@ -13,11 +19,17 @@ from jaxdecode.models.transformer import prefill
 __all__ = [
     "ByteTokenizer",
     "DecodeState",
+    "Generation",
     "KVCache",
     "Transformer",
     "TransformerConfig",
+    "default_metadata",
     "forward",
+    "generate",
     "init_cache",
+    "load_checkpoint",
+    "load_default",
     "make_step_fn",
     "prefill",
+    "save_checkpoint",
 ]

@@ -1,0 +1,188 @@
+"""High-level generation, checkpoints, training pieces and the `jaxdecode` command."""
+
+import io
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxdecode
+from jaxdecode import cli, training
+from jaxdecode.models import (ByteTokenizer, Transformer, TransformerConfig, forward, generate,
+                              load_checkpoint, save_checkpoint)
+
+TOK = ByteTokenizer()
+CONFIG = TransformerConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=64)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  """A random tiny model and its checkpoint file."""
+  model = Transformer(CONFIG, rngs=nnx.Rngs(0))
+  path = str(tmp_path_factory.mktemp("ckpt") / "tiny.msgpack")
+  save_checkpoint(path, CONFIG, nnx.split(model)[1], metadata={"note": "test"})
+  return load_checkpoint(path)[0], path
+
+
+def greedy_by_full_forward(model, prompt, n):
+  """Independent reference: re-run the full forward over the whole sequence at every step."""
+  graphdef, weights = nnx.split(model)
+  ids = TOK.encode(prompt)
+  new = []
+  for _ in range(n):
+    seq, length = jaxdecode.left_pad([ids + new], pad_id=TOK.PAD, width=32)  # one compile
+    logits = forward(graphdef, weights, seq, length)
+    token = int(np.argmax(np.asarray(logits[0, -1])))
+    new.append(token)
+    if token == TOK.EOS:
+      break
+  return new
+
+
+def test_greedy_generate_equals_a_full_forward_argmax_loop(tiny):
+  model, _ = tiny
+  prompts = ["def f(x):", "a"]
+  out = generate(prompts, model=model, params=jaxdecode.SamplingParams(temperature=0.0),
+                 max_new_tokens=10)
+  for row, prompt in enumerate(prompts):
+    expected = greedy_by_full_forward(model, prompt, 10)
+    assert out.tokens[row, :out.lengths[row]].tolist() == expected
+  np.testing.assert_array_equal(out.logprobs, 0.0)  # greedy: a point mass
+
+
+def test_same_seed_same_text_and_fields_are_consistent(tiny):
+  model, _ = tiny
+  params = jaxdecode.SamplingParams(temperature=1.0, top_p=0.95)
+  a = generate(["The", "import os"], model=model, params=params, seed=3, max_new_tokens=12)
+  b = generate(["The", "import os"], model=model, params=params, seed=3, max_new_tokens=12)
+  c = generate(["The", "import os"], model=model, params=params, seed=4, max_new_tokens=12)
+  assert a.texts == b.texts and a.texts != c.texts
+  assert a.tokens.shape == (2, 12) and a.lengths.shape == (2,)
+  valid = np.arange(12)[None] < a.lengths[:, None]
+  assert np.isfinite(a.logprobs[valid]).all() and (a.logprobs[valid] <= 0).all()
+  assert a.texts[0] == TOK.decode(a.tokens[0, :a.lengths[0]])
+
+
+def test_generate_rejects_bad_prompts(tiny):
+  model, _ = tiny
+  with pytest.raises(ValueError, match="wrap it in a list"):
+    generate("hello", model=model)
+  with pytest.raises(ValueError, match="prompt 2 must be a non-empty string"):
+    generate(["a", ""], model=model)
+  with pytest.raises(ValueError, match="does not fit the model's context of 64 tokens"):
+    generate(["x" * 60], model=model, max_new_tokens=10)
+  with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+    generate(["x"], model=model, max_new_tokens=0)
+
+
+def test_checkpoint_round_trip_stores_float16_weights(tiny, tmp_path):
+  model, path = tiny
+  loaded, metadata = load_checkpoint(path)
+  assert metadata == {"note": "test"} and loaded.config == CONFIG
+  for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(loaded))):
+    np.testing.assert_array_equal(np.asarray(a, np.float16).astype(np.float32), b)
+  bad = tmp_path / "bad.msgpack"
+  bad.write_bytes(b"not a checkpoint")
+  with pytest.raises(ValueError, match="is not a jaxdecode checkpoint"):
+    load_checkpoint(str(bad))
+  with pytest.raises(ValueError, match="does not exist"):
+    load_checkpoint(str(tmp_path / "missing.msgpack"))
+
+
+def test_eval_windows_cover_every_token_exactly_once():
+  stream = np.arange(10, dtype=np.int32)
+  inputs, targets = training.windows(stream, 4)
+  assert targets.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, -1, -1]]
+  assert inputs[:, 0].tolist() == [TOK.BOS] * 3 and inputs[0, 1:].tolist() == [0, 1, 2]
+
+
+def test_split_holds_out_every_twentieth_chunk_and_corpus_ends_topics_with_eos():
+  stream = np.arange(100_000, dtype=np.int32)
+  train, val = training.split_stream(stream, every=20, chunk=1000)
+  assert len(val) == 5000 and len(train) + len(val) == len(stream)
+  assert np.intersect1d(train, val).size == 0
+  corpus = training.load_corpus(None)
+  assert (corpus == TOK.EOS).sum() == len(training.default_corpus_documents())
+  assert corpus.max() <= TOK.EOS
+
+
+def test_evaluate_matches_a_hand_computed_uniform_model():
+  # A model whose logits are all equal predicts every token with probability 1/V.
+  model = Transformer(CONFIG, rngs=nnx.Rngs(1))
+  graphdef, weights = nnx.split(model)
+  zeroed = jax.tree.map(jnp.zeros_like, weights)
+  nats = training.evaluate(graphdef, zeroed, np.arange(50, dtype=np.int32), 16, batch_size=2)
+  assert nats == pytest.approx(math.log(CONFIG.vocab_size), rel=1e-6)
+
+
+def test_training_lowers_the_loss_on_a_repetitive_corpus(tmp_path):
+  corpus = tmp_path / "c.txt"
+  corpus.write_text("abcabcabd " * 400)
+  out = tmp_path / "m.msgpack"
+  small = TransformerConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=32)
+  cfg = training.TrainConfig(steps=60, batch_size=8, seq_len=32, peak_lr=1e-2, warmup_steps=5,
+                             eval_every=30)
+  summary = training.train(small, cfg, corpus=str(corpus), out=str(out), log=io.StringIO())
+  first, best = summary["history"][0]["val_loss"], summary["val_loss"]
+  assert best < 1.0 < math.log(259) and best <= first
+  model, metadata = load_checkpoint(str(out))
+  assert metadata["val_loss"] == best and model.config == small
+
+
+def run_cli(capsys, *argv):
+  code = cli.main(list(argv))
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+def test_cli_generate_is_reproducible_and_prints_a_summary(tiny, capsys):
+  _, path = tiny
+  args = ["generate", "Hello", "print(", "--model", path, "--max-new-tokens", "6", "--seed", "5",
+          "--top-k", "20"]
+  code, first, _ = run_cli(capsys, *args)
+  assert code == 0
+  code, second, _ = run_cli(capsys, *args)
+  body = lambda s: [line for line in s.splitlines() if not line.startswith("--- temperature")]
+  assert body(first) == body(second)
+  assert "--- [1] 'Hello'" in first and "--- [2] 'print('" in first
+  assert "temperature=0.8 top_k=20 top_p=0.95 min_p=0 seed=5 | 2 prompt(s)" in first
+  code, greedy, _ = run_cli(capsys, "generate", "Hi", "--greedy", "--model", path,
+                            "--max-new-tokens", "3")
+  assert code == 0 and "--- greedy seed=0 | 1 prompt(s)" in greedy
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["generate", ""], "prompt 1 is empty"),
+    (["generate", "x", "--top-p", "1.5"], "top_p must be"),
+    (["generate", "x", "--top-k", "2.5"], "expected an integer, got '2.5'"),
+    (["generate", "x", "--max-new-tokens", "0"], "expected a positive integer, got '0'"),
+    (["generate", "x" * 80], "does not fit the model's context of 64 tokens"),
+    (["generate", "x", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["eval", "/no/such/file"], "is not a readable file"),
+    (["bogus"], "invalid choice: 'bogus'"),
+])
+def test_cli_user_mistakes_give_one_line_and_exit_2(tiny, capsys, argv, fragment):
+  _, path = tiny
+  if argv[0] in ("generate", "eval"):
+    argv = argv + ["--model", path]
+  code, _, err = run_cli(capsys, *argv)
+  assert code == 2
+  assert fragment in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_eval_prints_nats_and_bits_per_byte(tiny, capsys, tmp_path):
+  _, path = tiny
+  text = tmp_path / "t.txt"
+  text.write_text("hello world\n")
+  code, out, _ = run_cli(capsys, "eval", str(text), "--model", path)
+  words = out.split()
+  nats, bits = float(words[0]), float(words[2].lstrip("("))
+  assert code == 0 and words[1] == "nats/byte" and words[3] == "bits/byte)"
+  assert bits == pytest.approx(nats / math.log(2), abs=2e-4)
+  model, _ = tiny
+  data = np.frombuffer(b"hello world\n", np.uint8).astype(np.int32)
+  expected = training.evaluate(*nnx.split(model), data, CONFIG.max_len)
+  assert nats == pytest.approx(expected, abs=1e-4)
