@@ -71,8 +71,12 @@ def prepare(logits: jax.Array) -> jax.Array:
   """float32 copy with the input hygiene rules above applied. [B, V] -> [B, V]."""
   x = logits.astype(jnp.float32)
   x = jnp.where(jnp.isnan(x), _NEG_INF, x)
-  has_pos_inf = jnp.any(x == jnp.inf, axis=-1, keepdims=True)  # [B, 1]
-  return jnp.where(has_pos_inf, jnp.where(x == jnp.inf, 0.0, _NEG_INF), x)
+
+  def uniform_over_pos_inf(x):
+    has_pos_inf = jnp.any(x == jnp.inf, axis=-1, keepdims=True)  # [B, 1]
+    return jnp.where(has_pos_inf, jnp.where(x == jnp.inf, 0.0, _NEG_INF), x)
+
+  return lax.cond(jnp.any(x == jnp.inf), uniform_over_pos_inf, lambda x: x, x)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
@@ -128,15 +132,24 @@ def apply_temperature(x: jax.Array, t: jax.Array) -> jax.Array:
   greedy_rows = (t == 0)[:, None]
   t_safe = jnp.where(greedy_rows, 1.0, t[:, None])
   scaled = jnp.where(x == _NEG_INF, _NEG_INF, x / t_safe)
+
   # A tiny temperature can overflow x / t to +inf; those rows use the equivalent (x - max) / t,
   # which is <= 0 everywhere (same distribution, no overflow).
-  overflow = jnp.any(scaled == jnp.inf, axis=-1, keepdims=True)
-  m = jnp.max(x, axis=-1, keepdims=True)
-  shifted = jnp.where(x == _NEG_INF, _NEG_INF, (x - m) / t_safe)
-  scaled = jnp.where(overflow, shifted, scaled)
-  iota = lax.broadcasted_iota(jnp.int32, x.shape, 1)
-  one_hot = jnp.where(iota == first_argmax(x)[:, None], x, _NEG_INF)
-  return jnp.where(greedy_rows, one_hot, scaled)
+  def fix_overflow(scaled):
+    overflow = jnp.any(scaled == jnp.inf, axis=-1, keepdims=True)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    shifted = jnp.where(x == _NEG_INF, _NEG_INF, (x - m) / t_safe)
+    return jnp.where(overflow, shifted, scaled)
+
+  scaled = lax.cond(jnp.any(t < 1), fix_overflow, lambda s: s, scaled)
+
+  def point_mass(scaled):
+    iota = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    one_hot = jnp.where(iota == first_argmax(x)[:, None], x, _NEG_INF)
+    return jnp.where(greedy_rows, one_hot, scaled)
+
+  # The conditions skip whole passes over [B, V] when no row needs them (traced, no retrace).
+  return lax.cond(jnp.any(greedy_rows), point_mass, lambda s: s, scaled)
 
 
 def apply_top_k(x: jax.Array, k: jax.Array) -> jax.Array:
@@ -170,8 +183,11 @@ def apply_top_p(x: jax.Array, p: jax.Array) -> jax.Array:
 
 def apply_min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
   """Keeps tokens with p_i >= min_p * max_j p_j, i.e. exp(x_i - max) >= min_p."""
-  e, _ = _unnormalized_probs(x)
-  return jnp.where(e >= min_p[:, None], x, _NEG_INF)
+  def cut(x):
+    e, _ = _unnormalized_probs(x)
+    return jnp.where(e >= min_p[:, None], x, _NEG_INF)
+
+  return lax.cond(jnp.any(min_p > 0), cut, lambda x: x, x)
 
 
 def process_f32(x: jax.Array, params: SamplingParams) -> jax.Array:
