@@ -152,33 +152,93 @@ def apply_temperature(x: jax.Array, t: jax.Array) -> jax.Array:
   return lax.cond(jnp.any(greedy_rows), point_mass, lambda s: s, scaled)
 
 
-def apply_top_k(x: jax.Array, k: jax.Array) -> jax.Array:
-  """Keeps tokens with fewer than k strictly larger logits; k <= 0 or k >= V keeps all."""
+def _value_of_key(key: jax.Array) -> jax.Array:
+  """Inverse of `_order_keys`: the float32 value with that order key."""
+  positive = (key >> 31) == 1
+  bits = jnp.where(positive, key ^ jnp.uint32(0x80000000), ~key)
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _thresholds_by_bisection(x, k, p):
+  """top-k then top-p thresholds of every row by bisection over all V tokens (any k, any p)."""
   vocab = x.shape[-1]
-  active = (k > 0) & (k < vocab)  # [B]
+  keys = _order_keys(x)
+  k_active = (k > 0) & (k < vocab)
+  tau_k = jnp.where(k_active, _value_of_key(_largest_threshold(keys, jnp.int32(1), k)), _NEG_INF)
+  e, _ = _unnormalized_probs(x)
+  e = jnp.where(x >= tau_k[:, None], e, 0.0)  # the distribution after top-k
+  target = jnp.maximum(p, _TINY) * jnp.sum(e, axis=-1)
+  tau_p = _value_of_key(_largest_threshold(keys, e, target))
+  return jnp.maximum(tau_k, jnp.where(p < 1, tau_p, _NEG_INF))
+
+
+def _thresholds_from_candidates(x, k, p, candidates: int):
+  """top-k then top-p thresholds computed on each row's `candidates` largest logits.
+
+  Returns `(tau, exact)`: `exact[b]` is True when row b's kept set provably lies inside its
+  candidates (its threshold is above the smallest candidate, or the candidates are the whole
+  vocabulary); only then is `tau[b]` the row's threshold. Whether a row is exact depends only on
+  the row, so choosing between this and the bisection per row keeps rows independent.
+  """
+  vocab = x.shape[-1]
+  # The barrier keeps XLA:CPU on its partial top-k kernel: when the top-k result fuses with its
+  # consumers, XLA lowers it to a full sort of the vocabulary instead (~100x slower).
+  values = lax.optimization_barrier(lax.top_k(x, candidates)[0])  # [B, K], descending
+  m = values[:, :1]
+  e = jnp.where(m > _NEG_INF, jnp.exp(values - m), 0.0)  # [B, K]
+  k_active = (k > 0) & (k < vocab)
+  tau_k = jnp.where(k_active, jnp.take_along_axis(values, jnp.clip(k, 1, candidates)[:, None] - 1,
+                                                  axis=1)[:, 0], _NEG_INF)
+  e = jnp.where(values >= tau_k[:, None], e, 0.0)  # after top-k
+  # Z: the candidates' mass when top-k cut inside them, else the whole row's.
+  z = jnp.where(k_active, jnp.sum(e, axis=-1), jnp.sum(_unnormalized_probs(x)[0], axis=-1))
+  target = jnp.maximum(p, _TINY) * z
+  # Mass strictly above each candidate: the exclusive cumulative mass at its value's first slot.
+  iota = lax.broadcasted_iota(jnp.int32, values.shape, 1)
+  new_value = jnp.concatenate([jnp.ones_like(values[:, :1], bool),
+                               values[:, 1:] != values[:, :-1]], axis=1)
+  first_slot = lax.cummax(jnp.where(new_value, iota, 0), axis=1)
+  above = jnp.take_along_axis(jnp.cumsum(e, axis=1) - e, first_slot, axis=1)
+  kept = (values >= tau_k[:, None]) & ((above < target[:, None]) | (p >= 1)[:, None])
+  tau = jnp.min(jnp.where(kept, values, jnp.inf), axis=-1)
+  tau = jnp.where(k_active | (p < 1), tau, _NEG_INF)
+  # Exact when the kept set, and the top-k set that normalizes top-p, end above the last
+  # candidate: then no token outside the candidates (not even a tie) belongs to either.
+  inside = (tau > values[:, -1]) & (~k_active | (tau_k > values[:, -1]))
+  exact = (candidates == vocab) | inside | (m[:, 0] == _NEG_INF)
+  return tau, exact
+
+
+_CANDIDATES = 64  # per-row candidates for the fast path (lax.top_k)
+
+
+def apply_top_k_top_p(x: jax.Array, k: jax.Array, p: jax.Array) -> jax.Array:
+  """top-k (k <= 0 or k >= V keeps all) then top-p (p >= 1 keeps all) on the top-k survivors.
+
+  Both kept sets are upper sets of the row, so the pair is one threshold per row. Rows whose
+  kept set lies inside their 64 largest logits (any k <= 63, and top-p on a peaked distribution)
+  get it from those candidates; the others by a bisection over the whole vocabulary, which runs
+  only when some row needs it.
+  """
+  active = ((k > 0) & (k < x.shape[-1])) | (p < 1)  # [B]
 
   def cut(x):
-    keys = _order_keys(x)
-    threshold = _largest_threshold(keys, jnp.int32(1), k)
-    drop = active[:, None] & (keys < threshold[:, None])
-    return jnp.where(drop, _NEG_INF, x)
+    tau, exact = _thresholds_from_candidates(x, k, p, min(_CANDIDATES, x.shape[-1]))
+    tau = lax.cond(jnp.all(exact), lambda: tau,
+                   lambda: jnp.where(exact, tau, _thresholds_by_bisection(x, k, p)))
+    return jnp.where(active[:, None] & (x < tau[:, None]), _NEG_INF, x)
 
   return lax.cond(jnp.any(active), cut, lambda x: x, x)
+
+
+def apply_top_k(x: jax.Array, k: jax.Array) -> jax.Array:
+  """Keeps tokens with fewer than k strictly larger logits; k <= 0 or k >= V keeps all."""
+  return apply_top_k_top_p(x, k, jnp.ones(k.shape, jnp.float32))
 
 
 def apply_top_p(x: jax.Array, p: jax.Array) -> jax.Array:
   """Keeps tokens whose strictly-more-probable mass is < p; p >= 1 keeps all."""
-  active = p < 1  # [B]
-
-  def cut(x):
-    e, _ = _unnormalized_probs(x)
-    target = jnp.maximum(p, _TINY) * jnp.sum(e, axis=-1)  # p of the row's mass; > 0 keeps the top
-    keys = _order_keys(x)
-    threshold = _largest_threshold(keys, e, target)
-    drop = active[:, None] & (keys < threshold[:, None])
-    return jnp.where(drop, _NEG_INF, x)
-
-  return lax.cond(jnp.any(active), cut, lambda x: x, x)
+  return apply_top_k_top_p(x, jnp.zeros(p.shape, jnp.int32), p)
 
 
 def apply_min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -193,8 +253,7 @@ def apply_min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
 def process_f32(x: jax.Array, params: SamplingParams) -> jax.Array:
   """The whole chain on prepared float32 logits with sanitized `[B]` params."""
   x = apply_temperature(x, params.temperature)
-  x = apply_top_k(x, params.top_k)
-  x = apply_top_p(x, params.top_p)
+  x = apply_top_k_top_p(x, params.top_k, params.top_p)
   return apply_min_p(x, params.min_p)
 
 

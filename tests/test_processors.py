@@ -182,3 +182,38 @@ def test_processed_values_are_traced_under_jit():
     f(x, jaxdecode.SamplingParams(t, k, p, m))
   f(x + 1, jaxdecode.SamplingParams(2.0, 1, 0.5, 0.5))
   assert len(traces) == 1
+
+
+def test_ties_crossing_the_64_candidates_are_handled_exactly():
+  # top-k = 3 keeps the top logit and all one hundred 4.0s (ties at the boundary), far more than
+  # the 64 candidates of the fast path; top-p must then normalize over all of them.
+  # With the 10.0 on top, top-p 0.83 needs the 4.0 tier only if it normalizes over all hundred
+  # of them (mass 1 / (1 + 100 e^-6) < 0.83), not over the 63 inside the candidates.
+  rng = np.random.default_rng(0)
+  rows = [np.concatenate([[top], np.full(100, 4.0), np.linspace(-3, 3, 99)]).astype(np.float32)
+          for top in (5.0, 10.0)]
+  x = np.stack(rows + [rng.permutation(r) for r in rows])
+  for k, p in [(3, 1.0), (3, 0.9), (3, 0.83), (3, 0.3), (0, 0.5), (60, 0.99), (200, 0.9)]:
+    out = np.asarray(jaxdecode.process_logits(jnp.asarray(x), jaxdecode.SamplingParams(
+        top_k=k, top_p=p)))
+    for r in range(len(x)):
+      expected, amb = ref.process_row(x[r], 1.0, k, p, 0.0)
+      assert_same_kept(out[r], expected, amb)
+
+
+def test_fast_and_bisection_rows_mix_in_one_batch_like_the_reference():
+  rng = np.random.default_rng(11)
+  vocab = 1000
+  flat = rng.normal(size=(6, vocab)).astype(np.float32) * 0.3  # nucleus of hundreds of tokens
+  peaked = (rng.normal(size=(6, vocab)) * 4).astype(np.float32)  # nucleus of a few tokens
+  x = np.concatenate([flat, peaked])
+  k = np.array([0, 10, 100, 0, 63, 64] * 2, np.int32)
+  p = np.array([0.9, 0.95, 0.5, 0.99, 1.0, 0.8] * 2, np.float32)
+  out = np.asarray(jaxdecode.process_logits(jnp.asarray(x), jaxdecode.SamplingParams(
+      top_k=k, top_p=p)))
+  for r in range(len(x)):
+    expected, amb = ref.process_row(x[r], 1.0, k[r], p[r], 0.0)
+    assert_same_kept(out[r], expected, amb)
+    alone = np.asarray(jaxdecode.process_logits(jnp.asarray(x[r:r + 1]), jaxdecode.SamplingParams(
+        top_k=k[r], top_p=p[r])))
+    np.testing.assert_array_equal(alone[0], out[r])
