@@ -77,7 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--heads", type=_positive_int, default=4)
   t.add_argument("--d-ff", type=_positive_int, default=1024)
   t.add_argument("--max-len", type=_positive_int, default=256)
+  b = sub.add_parser("bench", help="the benchmark suite (see `jaxdecode bench --help`)",
+                     add_help=False)
+  b.add_argument("bench_args", nargs=argparse.REMAINDER)
   return parser
+
+
+def _bench(args) -> int:
+  from jaxdecode import bench  # pylint: disable=import-outside-toplevel
+  return bench.main(args.bench_args, prog="jaxdecode bench")
 
 
 def _train(args) -> None:
@@ -143,7 +151,21 @@ def _eval(args) -> None:
   print(f"{nats:.4f} nats/byte ({nats / math.log(2):.4f} bits/byte) over {data.size} bytes")
 
 
-COMMANDS = {"generate": _generate, "eval": _eval, "train": _train}
+COMMANDS = {"generate": _generate, "eval": _eval, "train": _train, "bench": _bench}
+
+
+def _enable_compilation_cache() -> None:
+  """Keeps compiled programs on disk, so a second `jaxdecode generate` skips most compiling."""
+  import os  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  path = os.environ.get("JAXDECODE_CACHE_DIR",
+                        os.path.join(os.path.expanduser("~"), ".cache", "jaxdecode", "xla"))
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError:
+    return  # an unwritable home: run without the cache
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def main(argv=None) -> int:
@@ -151,12 +173,13 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
   except SystemExit as e:  # --help (0) or a bad command line (2, already reported in one line)
     return int(e.code or 0)
+  if args.command != "bench":
+    _enable_compilation_cache()
   try:
-    COMMANDS[args.command](args)
+    return COMMANDS[args.command](args) or 0
   except ValueError as e:
     print(f"jaxdecode {args.command}: error: {e}", file=sys.stderr)
     return 2
-  return 0
 
 
 if __name__ == "__main__":

@@ -186,3 +186,21 @@ def test_cli_eval_prints_nats_and_bits_per_byte(tiny, capsys, tmp_path):
   data = np.frombuffer(b"hello world\n", np.uint8).astype(np.int32)
   expected = training.evaluate(*nnx.split(model), data, CONFIG.max_len)
   assert nats == pytest.approx(expected, abs=1e-4)
+
+
+def test_embedded_default_model_loads_and_meets_its_reported_loss():
+  from jaxdecode.models import default_metadata, load_default
+  model, tokenizer = load_default()
+  meta = default_metadata()
+  assert meta["val_loss"] <= 1.3 and meta["corpus"] == "pydoc_data.topics"
+  # Re-measure a held-out slice independently of the training run's own figure.
+  stream = training.load_corpus(None)
+  _, val = training.split_stream(stream)
+  nats = training.evaluate(*nnx.split(model), val[:4096], model.config.max_len)
+  assert nats < 1.3
+  assert tokenizer.decode(tokenizer.encode("for x in y:")) == "for x in y:"
+
+
+def test_cli_bench_runs_the_suite_and_rejects_bad_flags(capsys):
+  code, _, err = run_cli(capsys, "bench", "--runs", "2")
+  assert code == 2 and "runs" in err

@@ -1,0 +1,220 @@
+"""The benchmark's plumbing on tiny sizes, and the exactness of its sort-based reference.
+
+No timing assertions here: speed is shown by `jaxdecode bench`, never asserted by a test.
+"""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdecode
+from jaxdecode import SamplingParams, bench
+import reference
+
+SAMPLERS = ("argmax", "greedy", "sample", "top_k", "top_p", "min_p", "chain")
+HAS_TRANSFORMERS = bench.transformers_top_p_sampler() is not None
+
+
+def _positive_finite(x):
+  return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def kernel_result():
+  return bench.run_benchmarks(batches=(2,), vocabs=(1000,), runs=5, decode=False,
+                              command="test")
+
+
+def test_kernel_rows_have_every_median_and_ratio(kernel_result):
+  rows = kernel_result["kernel"]
+  assert [(r["shape"], r["batch"], r["vocab"]) for r in rows] == [("wide", 2, 1000),
+                                                                   ("lm", 2, 1000)]
+  expected = set(SAMPLERS) | {bench.SORT_PEER} | ({bench.HF_PEER} if HAS_TRANSFORMERS else set())
+  for row in rows:
+    assert row["runs"] == 5
+    assert set(row["median_s"]) == expected == set(row["ratio"])
+    assert row["ratio"]["argmax"] == 1.0
+    for value in [*row["median_s"].values(), *row["ratio"].values(), *row["speedup"].values()]:
+      assert _positive_finite(value)
+    assert set(row["speedup"]) == {"vs_sort"} | ({"vs_transformers"} if HAS_TRANSFORMERS else set())
+    assert row["speedup"]["vs_sort"] == row["median_s"][bench.SORT_PEER] / row["median_s"]["top_p"]
+
+
+def test_result_is_valid_json_and_formats_as_a_table(kernel_result):
+  text = json.dumps(bench._finite(kernel_result), allow_nan=False)
+  back = json.loads(text)
+  assert set(back) == {"command", "machine", "settings", "notes", "kernel", "decode"}
+  assert back["settings"]["runs"] == 5 and back["settings"]["seconds"] > 0
+  for field in ("platform", "cpu_count", "device_kind", "devices", "jax"):
+    assert back["machine"][field]
+  table = bench.format_table(kernel_result)
+  assert "$ test" in table and "argmax ms" in table
+  assert sum(line.startswith(("wide ", "lm ")) for line in table.splitlines()) == 2
+
+
+def test_time_round_robin_alternates_after_warmup():
+  calls = []
+  fns = {name: (lambda name=name: calls.append(name) or jnp.zeros(())) for name in "abc"}
+  times = bench.time_round_robin(fns, 3, warmup=2)
+  assert calls[:6] == list("abcabc")  # warm-up: every function twice
+  assert calls[6:] == list("abc") + list("bca") + list("cab")  # each run starts one further
+  assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+
+
+def test_peers_are_skipped_above_the_size_limit_and_without_transformers(monkeypatch):
+  monkeypatch.setattr(bench, "transformers_top_p_sampler", lambda top_p=0.9: None)
+  result = bench.run_benchmarks(batches=(2,), vocabs=(1000,), shapes=("wide",), runs=5,
+                                decode=False)
+  (row,) = result["kernel"]
+  assert bench.SORT_PEER in row["median_s"] and bench.HF_PEER not in row["median_s"]
+  assert any("transformers" in note for note in result["notes"])
+  (row,) = bench.kernel_table(batches=(2,), vocabs=(1000,), shapes=("wide",), runs=5,
+                              peer_max_elements=1999)
+  assert row["peers_skipped"] and row["speedup"] == {}
+  assert bench.SORT_PEER not in row["median_s"] and bench.HF_PEER not in row["median_s"]
+
+
+def test_logit_shapes():
+  wide = np.asarray(bench.make_logits("wide", 3, 500))
+  lm = np.asarray(bench.make_logits("lm", 3, 500))
+  assert wide.dtype == lm.dtype == np.float32 and wide.shape == lm.shape == (3, 500)
+  np.testing.assert_array_equal(wide, np.asarray(bench.make_logits("wide", 3, 500)))
+  profile = -3.3 * np.log(np.arange(1, 501))
+  for row in lm:  # every row is the Zipf profile, permuted; rows differ
+    np.testing.assert_allclose(np.sort(row)[::-1], profile, rtol=1e-6)
+  assert not np.array_equal(lm[0], lm[1])
+  with pytest.raises(ValueError, match="shape"):
+    bench.make_logits("flat", 1, 10)
+
+
+def _examples():
+  rng = np.random.default_rng(1)
+  yield "gaussian", rng.normal(size=(6, 40)).astype(np.float32) * 3
+  yield "lm", np.asarray(bench.make_logits("lm", 4, 64, seed=3))
+  # Ties at the boundary: top-p 0.5 must keep all three tied tokens (DESIGN.md).
+  yield "ties", np.log(np.array([[0.4, 0.2, 0.2, 0.2], [0.25, 0.25, 0.25, 0.25]], np.float32))
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99, 1.0])
+def test_sort_reference_keeps_exactly_the_top_p_set(top_p):
+  for name, x in _examples():
+    mask = np.asarray(bench.sort_top_p_mask(jnp.asarray(x), top_p))
+    ours = np.isfinite(np.asarray(jaxdecode.process_logits(jnp.asarray(x),
+                                                           SamplingParams(top_p=top_p))))
+    for r in range(x.shape[0]):
+      keep, ambiguous = reference.top_p_keep(x[r], top_p)  # float64, the definition literally
+      sure = ~ambiguous
+      np.testing.assert_array_equal(mask[r][sure], keep[sure], err_msg=f"{name} row {r}")
+      np.testing.assert_array_equal(mask[r][sure], ours[r][sure], err_msg=f"{name} row {r}")
+  ties = np.asarray(bench.sort_top_p_mask(jnp.log(jnp.array([[0.4, 0.2, 0.2, 0.2]])), 0.5))
+  assert ties.tolist() == [[True, True, True, True]]
+
+
+def test_sort_reference_takes_per_row_top_p():
+  x = jnp.asarray(next(_examples())[1])
+  p = jnp.array([0.1, 0.3, 0.5, 0.7, 0.9, 1.0])
+  per_row = np.asarray(bench.sort_top_p_mask(x, p))
+  for r in range(x.shape[0]):
+    np.testing.assert_array_equal(per_row[r], np.asarray(bench.sort_top_p_mask(x, p[r]))[r])
+
+
+def test_sort_reference_samples_from_the_renormalized_nucleus():
+  x = jnp.asarray(np.log(np.array([[0.35, 0.05, 0.25, 0.2, 0.1, 0.05],
+                                   [0.05, 0.05, 0.1, 0.1, 0.3, 0.4]], np.float32)))
+  kept = np.isfinite(np.asarray(jaxdecode.process_logits(x, SamplingParams(top_p=0.7))))
+  n = 4000
+  keys = jax.random.split(jax.random.key(0), n)
+  tokens = np.asarray(jax.vmap(bench.sort_top_p_sample, in_axes=(0, None, None))(keys, x, 0.7))
+  assert tokens.shape == (n, 2) and tokens.dtype == np.int32
+  for r in range(2):
+    assert kept[r][tokens[:, r]].all()  # only tokens of the nucleus
+    probs = np.where(kept[r], np.exp(np.asarray(x[r], np.float64)), 0)
+    probs /= probs.sum()
+    counts = np.bincount(tokens[:, r], minlength=6)
+    sigma = np.sqrt(n * probs * (1 - probs)) + 1e-9
+    assert np.all(np.abs(counts - n * probs) <= 5 * sigma + 1e-9), (r, counts, n * probs)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers (Flax) is an optional extra")
+def test_transformers_peer_draws_from_the_nucleus():
+  x = jnp.asarray(next(_examples())[1])
+  kept = np.isfinite(np.asarray(jaxdecode.process_logits(x, SamplingParams(top_p=0.9))))
+  hf = bench.transformers_top_p_sampler(0.9)
+  for seed in range(5):
+    tokens = np.asarray(hf(jax.random.key(seed), x))
+    assert kept[np.arange(x.shape[0]), tokens].all()
+
+
+def test_decode_table_on_a_tiny_model():
+  def tiny():
+    return bench.random_model(300, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=64)
+
+  def missing():
+    raise ValueError("model checkpoint 'default.msgpack' does not exist")
+
+  rows = bench.decode_table([("missing", missing), ("tiny", tiny)], runs=5, batch=4,
+                            max_new_tokens=8)
+  assert rows[0]["model"] == "missing" and "does not exist" in rows[0]["skipped"]
+  row = rows[1]
+  assert row["model"] == "tiny" and row["vocab"] == 300 and row["batch"] == 4
+  assert row["max_new_tokens"] == 8 and row["runs"] == 5
+  assert set(row["median_s"]) == {"greedy", "top_p", "greedy_eos"}
+  assert set(row["tokens_per_s"]) == {"greedy", "top_p"}
+  assert set(row["ratio"]) == {"top_p_vs_greedy", "first_vs_later", "early_stop_vs_full"}
+  for value in [row["first_call_s"], *row["median_s"].values(), *row["tokens_per_s"].values(),
+                *row["ratio"].values()]:
+    assert _positive_finite(value)
+  assert row["early_stop_max_length"] <= 2  # every row stopped at once
+  result = {"command": "", "machine": bench.machine_info(), "notes": [], "kernel": [],
+            "decode": rows, "settings": {"runs": 5, "warmup": 2, "seconds": 1.0,
+                                         "decode_batch": 4, "max_new_tokens": 8}}
+  table = bench.format_table(result)
+  assert "tiny" in table and "missing" in table and "skipped" in table
+  json.dumps(bench._finite(result), allow_nan=False)
+
+
+@pytest.mark.parametrize("argv", [["--runs", "3"], ["--quick", "--runs", "4"],
+                                  ["--runs", "ten"], ["--runs", "10"], ["--bogus"],
+                                  ["--quick", "extra"]])
+def test_bad_command_lines_exit_2_in_one_line(argv, capsys, monkeypatch):
+  monkeypatch.setattr(bench, "run_benchmarks", lambda **kw: pytest.fail("must not run"))
+  assert bench.main(argv) == 2
+  out, err = capsys.readouterr()
+  assert out == "" and len(err.strip().splitlines()) == 1 and "error" in err
+
+
+def test_help_exits_0(capsys):
+  assert bench.main(["--help"]) == 0
+  assert "--quick" in capsys.readouterr().out
+
+
+def test_main_prints_json_or_a_table(kernel_result, capsys, monkeypatch):
+  seen = {}
+
+  def fake_run(**kwargs):
+    seen.update(kwargs)
+    return dict(kernel_result, command=kwargs["command"])
+
+  monkeypatch.setattr(bench, "run_benchmarks", fake_run)
+  assert bench.main(["--quick", "--json", "--no-decode", "--runs", "5"]) == 0
+  back = json.loads(capsys.readouterr().out)
+  assert back["command"] == "python -m jaxdecode.bench --quick --json --no-decode --runs 5"
+  assert seen["quick"] and seen["runs"] == 5 and not seen["decode"] and not seen["all_peers"]
+  ratios = [v for row in back["kernel"] for v in row["ratio"].values()]
+  assert ratios and all(_positive_finite(v) for v in ratios)
+  assert bench.main(["--quick", "--all-peers"], prog="jaxdecode bench") == 0
+  out = capsys.readouterr().out
+  assert out.startswith("$ jaxdecode bench --quick --all-peers\n") and "argmax ms" in out
+  assert seen["all_peers"] and seen["decode"] and seen["runs"] is None
+
+
+def test_decode_table_skips_a_model_whose_context_is_too_short():
+  def short():
+    return bench.random_model(300, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=20)
+
+  (row,) = bench.decode_table([("short", short)], runs=5, batch=2, max_new_tokens=8)
+  assert row["model"] == "short" and "max_len" in row["skipped"]
