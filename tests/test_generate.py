@@ -202,5 +202,7 @@ def test_embedded_default_model_loads_and_meets_its_reported_loss():
 
 
 def test_cli_bench_runs_the_suite_and_rejects_bad_flags(capsys):
-  code, _, err = run_cli(capsys, "bench", "--runs", "2")
-  assert code == 2 and "runs" in err
+  code, _, err = run_cli(capsys, "bench", "--quick", "--runs", "2")
+  assert code == 2 and "runs" in err and "Traceback" not in err
+  code, out, _ = run_cli(capsys, "bench", "--help")
+  assert code == 0 and "--quick" in out and "jaxdecode bench" in out
