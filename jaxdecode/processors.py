@@ -10,9 +10,11 @@ Semantics (order-free, so that none of them needs a sort of the vocabulary):
   < p (the smallest nucleus reaching p, boundary ties kept, the most probable token always kept).
 - min-p keeps token i iff p_i >= min_p * max_j p_j.
 
-Each kept set is an *upper set* of the row: every token whose logit is >= some threshold. So we
-find the threshold by a bisection over the 32 bits of the float32 order (`_largest_threshold`):
-32 masked reductions over `[B, V]`, exact, with no sort and no data-dependent shapes.
+Each kept set is an *upper set* of the row: every token whose logit is >= some threshold, so
+top-k followed by top-p is one threshold per row. A row whose kept set provably lies inside its
+64 largest logits gets the threshold from those candidates (`_thresholds_from_candidates`); any
+other row by a bisection over the 32 bits of the float32 order (`_largest_threshold`): 32 masked
+reductions over `[B, V]`. Both are exact, need no sort and have no data-dependent shapes.
 
 Numerics: all math runs in float32 whatever the input dtype; outputs are cast back to it.
 Input hygiene, applied by every processor:
@@ -164,12 +166,20 @@ def _thresholds_by_bisection(x, k, p):
   vocab = x.shape[-1]
   keys = _order_keys(x)
   k_active = (k > 0) & (k < vocab)
-  tau_k = jnp.where(k_active, _value_of_key(_largest_threshold(keys, jnp.int32(1), k)), _NEG_INF)
+  no_cut = jnp.full(k.shape, _NEG_INF)
+  tau_k = lax.cond(  # each bisection only when some row needs it
+      jnp.any(k_active),
+      lambda: jnp.where(k_active, _value_of_key(_largest_threshold(keys, jnp.int32(1), k)),
+                        _NEG_INF),
+      lambda: no_cut)
   e, _ = _unnormalized_probs(x)
   e = jnp.where(x >= tau_k[:, None], e, 0.0)  # the distribution after top-k
   target = jnp.maximum(p, _TINY) * jnp.sum(e, axis=-1)
-  tau_p = _value_of_key(_largest_threshold(keys, e, target))
-  return jnp.maximum(tau_k, jnp.where(p < 1, tau_p, _NEG_INF))
+  tau_p = lax.cond(jnp.any(p < 1),
+                   lambda: jnp.where(p < 1, _value_of_key(_largest_threshold(keys, e, target)),
+                                     _NEG_INF),
+                   lambda: no_cut)
+  return jnp.maximum(tau_k, tau_p)
 
 
 def _thresholds_from_candidates(x, k, p, candidates: int):
