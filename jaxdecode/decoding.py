@@ -265,7 +265,7 @@ def _check_ids(name: str, ids, vocab: int, *, allow_many: bool) -> jax.Array:
   if isinstance(ids, jax.core.Tracer):
     return jnp.asarray(ids, jnp.int32)
   host = np.asarray(ids)
-  if host.ndim != (1 if allow_many else 0) and not (allow_many and host.ndim == 0):
+  if host.ndim not in ((0, 1) if allow_many else (0,)):
     raise ValueError(f"{name} must be {'a list of token ids' if allow_many else 'one token id'}; "
                      f"got {ids!r}")
   if host.size and not np.issubdtype(host.dtype, np.integer):
