@@ -200,8 +200,11 @@ def _thresholds_from_candidates(x, k, p, candidates: int):
   tau_k = jnp.where(k_active, jnp.take_along_axis(values, jnp.clip(k, 1, candidates)[:, None] - 1,
                                                   axis=1)[:, 0], _NEG_INF)
   e = jnp.where(values >= tau_k[:, None], e, 0.0)  # after top-k
-  # Z: the candidates' mass when top-k cut inside them, else the whole row's.
-  z = jnp.where(k_active, jnp.sum(e, axis=-1), jnp.sum(_unnormalized_probs(x)[0], axis=-1))
+  # Z: the candidates' mass when top-k cut inside them, else the whole row's (a full pass over
+  # the vocabulary, skipped when every row has top-k).
+  z_row = lax.cond(jnp.any(~k_active), lambda: jnp.sum(_unnormalized_probs(x)[0], axis=-1),
+                   lambda: jnp.zeros(k.shape, jnp.float32))
+  z = jnp.where(k_active, jnp.sum(e, axis=-1), z_row)
   target = jnp.maximum(p, _TINY) * z
   # Mass strictly above each candidate: the exclusive cumulative mass at its value's first slot.
   iota = lax.broadcasted_iota(jnp.int32, values.shape, 1)
