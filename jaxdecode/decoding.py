@@ -146,9 +146,7 @@ def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, *,
 
   def select(t, logits, done):
     """Samples step t for every row; finished rows get pad_id and log-probability 0."""
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(_step_keys(row_keys, t))
-    x = processors.process_f32(processors.prepare(logits), params)
-    token, logprob = sampling.inverse_cdf(x, u)
+    token, logprob = sampling.sample_rows(_step_keys(row_keys, t), logits, params)
     token = jnp.where(done, pad_id, token)
     logprob = jnp.where(done, 0.0, logprob)
     return token, logprob, done | jnp.any(token[:, None] == eos_ids[None, :], axis=-1)

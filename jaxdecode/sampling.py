@@ -95,12 +95,18 @@ def inverse_cdf(x: jax.Array, u: jax.Array):
   return token, logprob
 
 
-def _sample(key, logits, params):
-  batch = logits.shape[0]
-  keys = row_keys(key, batch)
+def sample_rows(keys: jax.Array, logits: jax.Array, params: SamplingParams):
+  """The traced core of sampling: typed keys [B], logits [B, V], sanitized [B] params.
+
+  Returns (int32[B] tokens, float32[B] logprobs). `sample_with_logprobs` and `decode` both use it.
+  """
   u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)  # [B]
-  x = processors.process_f32(processors.prepare(logits), params.sanitized())
+  x = processors.process_f32(processors.prepare(logits), params)
   return inverse_cdf(x, u)
+
+
+def _sample(key, logits, params):
+  return sample_rows(row_keys(key, logits.shape[0]), logits, params.sanitized())
 
 
 _sample_jit = jax.jit(_sample)
