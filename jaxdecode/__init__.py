@@ -8,6 +8,7 @@ from jaxdecode.decoding import prompt_mask
 from jaxdecode.decoding import prompt_positions
 from jaxdecode.params import SamplingParams
 from jaxdecode.processors import process_logits
+from jaxdecode.processors import token_counts
 from jaxdecode.sampling import greedy
 from jaxdecode.sampling import sample
 from jaxdecode.sampling import sample_with_logprobs
@@ -28,4 +29,5 @@ __all__ = [
     "sample",
     "sample_with_logprobs",
     "selectable",
+    "token_counts",
 ]

@@ -135,7 +135,7 @@ def _check_step_output(out, state, batch: int, vocab: int) -> None:
                        f"{jnp.shape(new)} {jnp.result_type(new)}")
 
 
-def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, *,
+def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, counts, *,
             max_new_tokens: int, chunk_size: int):
   batch, vocab = logits.shape
   n = max_new_tokens
@@ -143,23 +143,33 @@ def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, *,
   params = params.sanitized()
   _check_step_output(jax.eval_shape(step_fn, state, jnp.zeros(batch, jnp.int32), positions),
                      state, batch, vocab)
+  is_eos = jnp.zeros(vocab, bool).at[eos_ids].set(True, mode="drop")  # [V]
+  rows = jnp.arange(batch)
+  # Token counts for the penalties, always carried so that turning a penalty on never
+  # recompiles (an in-place update of B entries per step; read only when a penalty is set).
+  counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
 
-  def select(t, logits, done):
+  def select(t, logits, done, counts):
     """Samples step t for every row; finished rows get pad_id and log-probability 0."""
-    token, logprob = sampling.sample_rows(_step_keys(row_keys, t), logits, params)
+    blocked = t < params.min_new_tokens  # [B]: EOS not allowed yet
+    logits = lax.cond(jnp.any(blocked) & jnp.any(is_eos),
+                      lambda x: jnp.where(blocked[:, None] & is_eos[None, :], -jnp.inf, x),
+                      lambda x: x, logits)
+    token, logprob = sampling.sample_rows(_step_keys(row_keys, t), logits, params, counts)
     token = jnp.where(done, pad_id, token)
     logprob = jnp.where(done, 0.0, logprob)
-    return token, logprob, done | jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
+    counts = counts.at[rows, token].add((~done).astype(jnp.int32))
+    return token, logprob, done | is_eos[token], counts
 
   # Step 0 samples from the prefill logits; every later step t first feeds token t-1 to the
   # model. So N tokens cost N - 1 model steps.
-  token, logprob, done = select(0, logits, jnp.zeros(batch, bool))
+  token, logprob, done, counts = select(0, logits, jnp.zeros(batch, bool), counts)
 
   def step(carry, t):
-    state, token, done = carry
+    state, token, done, counts = carry
     logits, state = step_fn(state, token, positions + t - 1)
-    token, logprob, new_done = select(t, logits, done)
-    return (state, token, new_done), (token, logprob, done)  # `done` before this step
+    token, logprob, new_done, counts = select(t, logits, done, counts)
+    return (state, token, new_done, counts), (token, logprob, done)  # `done` before this step
 
   def run_steps(carry, ts):
     carry, (tokens, logprobs, was_done) = lax.scan(step, carry, ts)
@@ -182,10 +192,10 @@ def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, *,
     return c + 1, carry, tokens, logprobs, active_steps + jnp.sum(~was_done, axis=1)
 
   def chunk_cond(loop):
-    c, (_, _, done), *_ = loop
+    c, (_, _, done, _), *_ = loop
     return (c < full_chunks) & ~jnp.all(done)
 
-  loop = (jnp.int32(0), (state, token, done), tokens, logprobs, active_steps)
+  loop = (jnp.int32(0), (state, token, done, counts), tokens, logprobs, active_steps)
   _, carry, tokens, logprobs, active_steps = lax.while_loop(chunk_cond, chunk_body, loop)
 
   if tail:
@@ -199,7 +209,7 @@ def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, *,
     carry, tokens, logprobs, active_steps = lax.cond(
         jnp.all(carry[2]), lambda args: args, run_tail, (carry, tokens, logprobs, active_steps))
 
-  state, _, done = carry
+  state, _, done, _ = carry
   # A row's active steps include the one that emitted its EOS; the loop only stops early when
   # every row has finished, so unfinished rows took all N steps.
   return DecodeOutput(tokens, logprobs, active_steps, done, state)
@@ -210,7 +220,7 @@ _decode_jit = jax.jit(_decode, static_argnames=("step_fn", "max_new_tokens", "ch
 
 def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: SamplingParams,
            max_new_tokens: int, positions: jax.Array, eos_ids: Sequence[int] = (),
-           pad_id: int = 0, chunk_size: int = 16) -> DecodeOutput:
+           pad_id: int = 0, counts=None, chunk_size: int = 16) -> DecodeOutput:
   """Generates up to `max_new_tokens` tokens per row with `lax.scan` over a model step function.
 
   Args:
@@ -221,18 +231,25 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
     logits: `[B, V]` next-token logits from the prefill.
     key: one key or one per row, as in `jaxdecode.sample`. Step t of a row samples with
       `fold_in(row_key, t)`.
-    params: a `SamplingParams` (scalars or `[B]` arrays).
+    params: a `SamplingParams` (scalars or `[B]` arrays). Its penalties use each row's token
+      counts, which `decode` carries; its `min_new_tokens` masks `eos_ids` at steps
+      t < min_new_tokens.
     max_new_tokens: N, the number of tokens to generate (static).
     positions: `int32[B]`, the position of each row's first new token (its prompt length);
       the token sampled at step t is fed to `step_fn` with position `positions + t`.
     eos_ids: token ids that end a row; the row keeps the EOS and then only `pad_id`.
     pad_id: the id written after a row's EOS (and fed to `step_fn` for finished rows).
+    counts: `int[B, V]` token counts to start the penalties from. None (the default) counts
+      only the tokens this call generates, as OpenAI's and vLLM's presence and frequency
+      penalties do. To count the prompt too, as HF's repetition_penalty does (its input_ids
+      include the prompt), pass `jaxdecode.token_counts(prompt_tokens, V,
+      mask=prompt_mask(lengths, T))`.
     chunk_size: steps per scanned chunk; the loop stops after the first chunk in which every
       row has finished.
 
   Returns:
     A `DecodeOutput`. Every traced input (state, logits, key, params, positions, eos_ids,
-    pad_id) can change without recompiling; shapes and `max_new_tokens` are static.
+    pad_id, counts) can change without recompiling; shapes and `max_new_tokens` are static.
   """
   batch, vocab = processors.check_logits(logits)
   if not callable(step_fn):
@@ -245,8 +262,10 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
     raise ValueError(f"chunk_size must be an integer >= 1; got {chunk_size!r}")
   if not isinstance(params, SamplingParams):
     raise ValueError(f"params must be a jaxdecode.SamplingParams; got {type(params).__name__}")
-  params = params.broadcast(batch)
+  params = params.broadcast(batch, vocab)
   sampling.check_key(key, batch)
+  if counts is not None:
+    counts = processors.check_counts(counts, batch, vocab)
   if jnp.shape(positions) != (batch,) or not jnp.issubdtype(jnp.result_type(positions),
                                                              jnp.integer):
     raise ValueError(f"positions must be an integer array of shape ({batch},), one per row of "
@@ -255,7 +274,8 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
   eos = _check_ids("eos_ids", eos_ids, vocab, allow_many=True)
   pad = _check_ids("pad_id", pad_id, vocab, allow_many=False)
   return _decode_jit(step_fn, state, logits, key, params, jnp.asarray(positions, jnp.int32),
-                     eos, pad, max_new_tokens=int(max_new_tokens), chunk_size=int(chunk_size))
+                     eos, pad, counts, max_new_tokens=int(max_new_tokens),
+                     chunk_size=int(chunk_size))
 
 
 def _check_ids(name: str, ids, vocab: int, *, allow_many: bool) -> jax.Array:

@@ -1,11 +1,22 @@
-"""`SamplingParams`: every numeric sampling setting as one pytree of traced arrays.
+"""`SamplingParams`: every sampling setting as one pytree of traced arrays.
 
-Each field is a scalar or an array of shape `[B]` (one value per row). The values are pytree
-*leaves*, not static metadata, so a jitted sampler called with new values of the same shapes
-reuses its compiled program: changing a temperature never recompiles.
+Two kinds of field:
+
+- *Number fields* (temperature, top_k, ..., min_new_tokens): a scalar (shared by all rows) or an
+  array of shape `[B]` (one value per row).
+- *Token fields* (logit_bias, banned_token_ids, allowed_token_ids): token ids padded with -1 into
+  an int32 array `[K]` (the same ids for every row) or `[B, K]` (one row of ids per row);
+  logit_bias pairs its ids with a float32 array of biases of the same shape. Lists and dicts are
+  padded to a width K of 8, 16, 32, ... so that new ids reuse the compiled program unless the
+  width grows.
+
+The values are pytree *leaves*, not static metadata, so a jitted sampler called with new values
+of the same shapes reuses its compiled program: changing a temperature, a penalty or a banned
+token never recompiles.
 
 Concrete values are validated when the object is built; a bad one raises `ValueError` naming the
-field, the value and the allowed range. Values that are only known under `jit` (tracers) cannot be
+field, the value and the allowed range. Token ids are checked against the vocabulary when the
+params meet logits (`broadcast`). Values that are only known under `jit` (tracers) cannot be
 checked there; the processors sanitize them instead, as documented in `sanitized()`.
 """
 
@@ -17,6 +28,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +50,27 @@ _FIELDS = (
            lambda v: (v > 0) & (v <= 1)),
     _Field("min_p", 0.0, False, "a number with 0 <= min_p <= 1 (0 disables min-p)",
            lambda v: (v >= 0) & (v <= 1)),
+    _Field("repetition_penalty", 1.0, False,
+           "a finite number > 0 (1 disables; > 1 discourages seen tokens)",
+           lambda v: np.isfinite(v) & (v > 0)),
+    _Field("presence_penalty", 0.0, False, "a finite number (0 disables; OpenAI allows -2..2)",
+           np.isfinite),
+    _Field("frequency_penalty", 0.0, False, "a finite number (0 disables; OpenAI allows -2..2)",
+           np.isfinite),
+    _Field("typical_p", 1.0, False, "a number with 0 < typical_p <= 1 (1 disables)",
+           lambda v: (v > 0) & (v <= 1)),
+    _Field("epsilon_cutoff", 0.0, False, "a number with 0 <= epsilon_cutoff < 1 (0 disables)",
+           lambda v: (v >= 0) & (v < 1)),
+    _Field("eta_cutoff", 0.0, False, "a number with 0 <= eta_cutoff < 1 (0 disables)",
+           lambda v: (v >= 0) & (v < 1)),
+    _Field("min_new_tokens", 0, True, "an integer >= 0 (0 disables)",
+           lambda v: v >= 0),
 )
-_NAMES = tuple(f.name for f in _FIELDS)
+_NUMBER_NAMES = tuple(f.name for f in _FIELDS)
+_TOKEN_NAMES = ("logit_bias", "banned_token_ids", "allowed_token_ids")
+_NAMES = _NUMBER_NAMES + _TOKEN_NAMES
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+_MIN_WIDTH = 8  # the narrowest padded width of a token field
 
 
 def _is_concrete(x) -> bool:
@@ -46,7 +78,7 @@ def _is_concrete(x) -> bool:
 
 
 def _convert(field: _Field, value) -> jax.Array:
-  """Converts one field to an int32/float32 array of rank 0 or 1, validating concrete values."""
+  """Converts one number field to an int32/float32 array of rank 0 or 1, validating it."""
   dtype = jnp.int32 if field.integer else jnp.float32
   if isinstance(value, bool) or (hasattr(value, "dtype") and value.dtype == bool):
     raise ValueError(f"{field.name} must be {field.allowed}; got a boolean: {value!r}")
@@ -69,7 +101,7 @@ def _convert(field: _Field, value) -> jax.Array:
     raise ValueError(f"{field.name} must be {field.allowed}; got {value!r} (dtype {host.dtype})")
   if field.integer and not np.issubdtype(host.dtype, np.integer):
     raise ValueError(f"{field.name} must be {field.allowed}; got {value!r} (dtype {host.dtype}); "
-                     f"pass integers, e.g. top_k=50")
+                     f"pass integers, e.g. {field.name}=5")
   bad = ~field.ok(host.astype(np.float64))
   if np.any(bad):
     if host.ndim == 0:
@@ -82,24 +114,173 @@ def _convert(field: _Field, value) -> jax.Array:
   return jnp.asarray(host, dtype)
 
 
+# ---------------------------------------------------------------------------------------------
+# Token fields.
+
+_IDS_FORMS = ("a list of token ids (the same for every row), a list of B such lists (one per "
+              "row), or an int array [K] / [B, K] padded with -1")
+_BIAS_FORMS = ("a dict {token_id: bias} (the same for every row), a list of B dicts (one per "
+               "row; None for none), or a pair (ids, biases) of arrays [K] / [B, K] with ids "
+               "padded with -1")
+
+
+def _width(n: int) -> int:
+  """The padded width for n ids: 8, 16, 32, ... (so new ids rarely change the shape)."""
+  return max(_MIN_WIDTH, 1 << max(n - 1, 0).bit_length())
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _id_list(name: str, ids, row: int | None) -> list[int]:
+  where = "" if row is None else f" (row {row})"
+  out = []
+  for i in ids:
+    if not _is_int(i) or i < 0:
+      raise ValueError(f"{name} must hold token ids (integers >= 0); got {i!r}{where}")
+    out.append(int(i))
+  return out
+
+
+def _is_sequence(x) -> bool:
+  return isinstance(x, (list, tuple, set, frozenset, range, np.ndarray))
+
+
+def _check_id_array(name: str, ids) -> jax.Array:
+  """An int array [K] or [B, K] of ids padded with -1 (checked when concrete)."""
+  if jnp.ndim(ids) not in (1, 2) or not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+    raise ValueError(f"{name} must be {_IDS_FORMS}; got an array of shape {jnp.shape(ids)} and "
+                     f"dtype {jnp.result_type(ids)}")
+  if _is_concrete(ids):
+    host = np.asarray(ids)
+    if np.any(host < -1):
+      raise ValueError(f"{name} must hold token ids >= 0 (and -1 for padding); got "
+                       f"{int(host[host < -1][0])}")
+    if np.any(host > np.iinfo(np.int32).max):
+      raise ValueError(f"{name} must hold ids that fit in int32; got {int(host.max())}")
+  return jnp.asarray(ids, jnp.int32)
+
+
+def _convert_ids(name: str, value) -> jax.Array:
+  """banned_token_ids / allowed_token_ids -> int32 [K] or [B, K], padded with -1."""
+  if value is None:
+    return jnp.full((_MIN_WIDTH,), -1, jnp.int32)
+  if isinstance(value, (jax.Array, np.ndarray)):
+    return _check_id_array(name, value)
+  if not _is_sequence(value):
+    raise ValueError(f"{name} must be {_IDS_FORMS}; got {value!r}")
+  items = list(value)
+  if all(_is_int(i) for i in items):
+    ids = _id_list(name, items, None)
+    out = np.full((_width(len(ids)),), -1, np.int32)
+    out[:len(ids)] = ids
+    return jnp.asarray(out)
+  if all(i is None or _is_sequence(i) for i in items):
+    rows = [_id_list(name, [] if r is None else list(r), b) for b, r in enumerate(items)]
+    out = np.full((len(rows), _width(max(len(r) for r in rows))), -1, np.int32)
+    for b, r in enumerate(rows):
+      out[b, :len(r)] = r
+    return jnp.asarray(out)
+  raise ValueError(f"{name} must be {_IDS_FORMS}; got {value!r}")
+
+
+def _bias_dict(d, row: int | None) -> tuple[list[int], list[float]]:
+  where = "" if row is None else f" (row {row})"
+  if d is None:
+    return [], []
+  if not isinstance(d, dict):
+    raise ValueError(f"logit_bias must be {_BIAS_FORMS}; got {d!r}{where}")
+  ids, biases = [], []
+  for token, bias in d.items():
+    if not _is_int(token) or token < 0:
+      raise ValueError(f"logit_bias keys must be token ids (integers >= 0); got {token!r}{where}")
+    if isinstance(bias, (bool, np.bool_)) or not isinstance(bias, (int, float, np.number)) \
+        or not np.isfinite(bias):
+      raise ValueError(f"logit_bias values must be finite numbers (use banned_token_ids to ban a "
+                       f"token); got {bias!r} for token {token}{where}")
+    ids.append(int(token))
+    biases.append(float(bias))
+  return ids, biases
+
+
+def _convert_bias(value) -> tuple[jax.Array, jax.Array]:
+  """logit_bias -> (int32 ids, float32 biases), both [K] or [B, K]; ids padded with -1."""
+  if value is None or isinstance(value, dict) or (isinstance(value, (list, tuple))
+                                                   and len(value) == 0):
+    ids, biases = _bias_dict(value or None, None)
+    out_ids = np.full((_width(len(ids)),), -1, np.int32)
+    out_b = np.zeros(out_ids.shape, np.float32)
+    out_ids[:len(ids)], out_b[:len(ids)] = ids, biases
+    return jnp.asarray(out_ids), jnp.asarray(out_b)
+  if isinstance(value, (list, tuple)) and value and all(d is None or isinstance(d, dict)
+                                                        for d in value):
+    rows = [_bias_dict(d, b) for b, d in enumerate(value)]
+    width = _width(max(len(ids) for ids, _ in rows))
+    out_ids = np.full((len(rows), width), -1, np.int32)
+    out_b = np.zeros(out_ids.shape, np.float32)
+    for b, (ids, biases) in enumerate(rows):
+      out_ids[b, :len(ids)], out_b[b, :len(ids)] = ids, biases
+    return jnp.asarray(out_ids), jnp.asarray(out_b)
+  if isinstance(value, tuple) and len(value) == 2 and not isinstance(value[0], (dict, list)):
+    ids = _check_id_array("logit_bias ids", value[0])
+    biases = value[1]
+    if jnp.shape(biases) != ids.shape or not jnp.issubdtype(jnp.result_type(biases),
+                                                            jnp.floating):
+      raise ValueError(f"logit_bias biases must be a float array of the ids' shape {ids.shape}; "
+                       f"got shape {jnp.shape(biases)} and dtype {jnp.result_type(biases)}")
+    if _is_concrete(biases) and not np.all(np.isfinite(np.asarray(biases))):
+      raise ValueError("logit_bias values must be finite numbers (use banned_token_ids to ban a "
+                       "token)")
+    return ids, jnp.asarray(biases, jnp.float32)
+  raise ValueError(f"logit_bias must be {_BIAS_FORMS}; got {value!r}")
+
+
+def _concrete_any(value, predicate) -> bool:
+  """True if `value` is concrete and `predicate` holds somewhere (tracers: False)."""
+  return _is_concrete(value) and bool(np.any(predicate(np.asarray(value))))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, init=False)
 class SamplingParams:
-  """Per-row sampling settings, applied in the order temperature -> top-k -> top-p -> min-p.
+  """Per-row sampling settings (the processing order is that of `jaxdecode.process_logits`).
 
-  Every field is a scalar (shared by all rows) or a `[B]` array (one value per row).
+  Number fields are a scalar (shared by all rows) or a `[B]` array (one value per row). Token
+  fields are given as lists/dicts (see each one) or as -1-padded int arrays `[K]` or `[B, K]`.
 
   Attributes:
     temperature: divides the logits; 0 means greedy (argmax, ties to the lowest index).
     top_k: keep the tokens that have fewer than `top_k` strictly larger logits; 0 disables.
     top_p: keep the tokens whose strictly-more-probable mass is < `top_p`; 1 disables.
     min_p: keep the tokens with probability >= `min_p` * the largest probability; 0 disables.
+    repetition_penalty: HF's rule for tokens seen so far: a positive logit is divided by it, a
+      negative one multiplied; 1 disables. Needs token counts (`decode` carries them).
+    presence_penalty: subtracted once from the logit of every token seen so far (OpenAI/vLLM).
+    frequency_penalty: subtracted from a token's logit once per time it was seen (OpenAI/vLLM).
+    typical_p: keep the tokens whose strictly-more-typical mass is < `typical_p`, typicality
+      being |-log p_i - H| (locally typical sampling); 1 disables.
+    epsilon_cutoff: keep the tokens with p_i >= epsilon_cutoff, and the most probable; 0
+      disables.
+    eta_cutoff: keep the tokens with p_i >= min(eta, sqrt(eta) * exp(-H)), and the most
+      probable; 0 disables.
+    min_new_tokens: `decode` masks its EOS ids until a row has this many new tokens; 0 disables.
+    logit_bias: `(ids, biases)`: added to the logits of those tokens (a dict `{id: bias}` or a
+      list of B dicts when building). Duplicate ids in the array form add up.
+    banned_token_ids: tokens that are never selected (a list of ids, or a list of B lists).
+    allowed_token_ids: when a row has any, only those tokens can be selected; a row without
+      ids is unrestricted.
 
   Examples:
     >>> import jaxdecode
     >>> p = jaxdecode.SamplingParams(temperature=0.7, top_p=0.9)
     >>> float(p.top_p)
     0.8999999761581421
+    >>> jaxdecode.SamplingParams(banned_token_ids=[[3], [4, 5]]).banned_token_ids.shape
+    (2, 8)
     >>> jaxdecode.SamplingParams(top_p=0.0)
     Traceback (most recent call last):
     ...
@@ -110,11 +291,33 @@ class SamplingParams:
   top_k: jax.Array
   top_p: jax.Array
   min_p: jax.Array
+  repetition_penalty: jax.Array
+  presence_penalty: jax.Array
+  frequency_penalty: jax.Array
+  typical_p: jax.Array
+  epsilon_cutoff: jax.Array
+  eta_cutoff: jax.Array
+  min_new_tokens: jax.Array
+  logit_bias: tuple  # (int32 ids, float32 biases), [K] or [B, K]
+  banned_token_ids: jax.Array
+  allowed_token_ids: jax.Array
 
-  def __init__(self, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
-    values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+  def __init__(self, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, *,
+               repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+               typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, min_new_tokens=0,
+               logit_bias=None, banned_token_ids=None, allowed_token_ids=None):
+    values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                  repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                  frequency_penalty=frequency_penalty, typical_p=typical_p,
+                  epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
+                  min_new_tokens=min_new_tokens)
     for field in _FIELDS:
       object.__setattr__(self, field.name, _convert(field, values[field.name]))
+    object.__setattr__(self, "logit_bias", _convert_bias(logit_bias))
+    object.__setattr__(self, "banned_token_ids", _convert_ids("banned_token_ids",
+                                                              banned_token_ids))
+    object.__setattr__(self, "allowed_token_ids", _convert_ids("allowed_token_ids",
+                                                               allowed_token_ids))
 
   # Pytree protocol. Unflattening bypasses __init__: JAX rebuilds the object from tracers or
   # from placeholder leaves (e.g. vmap's in_axes), which must not be converted or validated.
@@ -122,12 +325,17 @@ class SamplingParams:
     return tuple(getattr(self, n) for n in _NAMES), None
 
   @classmethod
-  def tree_unflatten(cls, aux, leaves):
+  def tree_unflatten(cls, aux, children):
     del aux
     obj = object.__new__(cls)
-    for name, leaf in zip(_NAMES, leaves):
-      object.__setattr__(obj, name, leaf)
+    for name, child in zip(_NAMES, children):
+      object.__setattr__(obj, name, child)
     return obj
+
+  def _with(self, **changes) -> "SamplingParams":
+    """A copy with fields replaced as they are (no conversion or validation)."""
+    children = [changes.get(n, getattr(self, n)) for n in _NAMES]
+    return SamplingParams.tree_unflatten(None, children)
 
   def replace(self, **changes) -> "SamplingParams":
     """Returns a copy with some fields changed (validated like the constructor)."""
@@ -138,21 +346,44 @@ class SamplingParams:
     values.update(changes)
     return SamplingParams(**values)
 
-  def broadcast(self, batch_size: int) -> "SamplingParams":
-    """Returns the params with every field of shape `[batch_size]`.
+  def broadcast(self, batch_size: int, vocab_size: int | None = None) -> "SamplingParams":
+    """Returns the params with every number field `[batch_size]`, every token field `[B, K]`.
+
+    Args:
+      batch_size: B, the rows of the logits.
+      vocab_size: V; when given, concrete token ids are checked to lie in `[0, V)`, and no row
+        may ban every token it allows.
 
     Raises:
-      ValueError: if a per-row field's length is not `batch_size`.
+      ValueError: if a per-row field's length is not `batch_size`, or a token id is out of range.
     """
-    leaves = []
-    for name in _NAMES:
+    out = {}
+    for name in _NUMBER_NAMES:
       value = getattr(self, name)
       shape = jnp.shape(value)
       if shape not in ((), (batch_size,)):
         raise ValueError(f"SamplingParams.{name} has shape {shape} but the batch has "
                          f"{batch_size} rows; expected a scalar or shape ({batch_size},)")
-      leaves.append(jnp.broadcast_to(value, (batch_size,)))
-    return SamplingParams.tree_unflatten(None, leaves)
+      out[name] = jnp.broadcast_to(value, (batch_size,))
+
+    def rows(name, ids):
+      if ids.ndim == 2 and ids.shape[0] != batch_size:
+        raise ValueError(f"SamplingParams.{name} has one row of ids for each of {ids.shape[0]} "
+                         f"rows (shape {ids.shape}) but the batch has {batch_size} rows")
+      if vocab_size is not None and _concrete_any(ids, lambda v: v >= vocab_size):
+        host = np.asarray(ids)
+        raise ValueError(f"SamplingParams.{name} has token id {int(host[host >= vocab_size][0])}, "
+                         f"outside the vocabulary of the logits [0, {vocab_size})")
+      return jnp.broadcast_to(ids, (batch_size, ids.shape[-1]))
+
+    ids, biases = self.logit_bias
+    out["logit_bias"] = (rows("logit_bias", ids), jnp.broadcast_to(biases, (batch_size,
+                                                                            ids.shape[-1])))
+    out["banned_token_ids"] = rows("banned_token_ids", self.banned_token_ids)
+    out["allowed_token_ids"] = rows("allowed_token_ids", self.allowed_token_ids)
+    if vocab_size is not None:
+      _check_allowed_not_all_banned(out["banned_token_ids"], out["allowed_token_ids"])
+    return self._with(**out)
 
   def sanitized(self) -> "SamplingParams":
     """Maps any value, valid or not, onto the allowed ranges; valid values are unchanged.
@@ -161,15 +392,57 @@ class SamplingParams:
     traced under `jit`, which cannot raise. The rules (documented and tested):
 
     - temperature NaN or < 0 -> 0 (greedy); +inf stays +inf (uniform over the finite logits);
-    - top_k < 0 -> 0 (disabled);
-    - top_p NaN -> 1 (disabled); top_p <= 0 -> only the most probable token(s); > 1 -> 1;
-    - min_p NaN -> 0 (disabled); clipped to [0, 1].
+    - top_k < 0 -> 0 (disabled); min_new_tokens < 0 -> 0 (disabled);
+    - top_p and typical_p: NaN -> 1 (disabled); <= 0 -> only the most probable (most typical)
+      token(s); > 1 -> 1;
+    - min_p NaN -> 0 (disabled); clipped to [0, 1];
+    - epsilon_cutoff and eta_cutoff: NaN -> 0 (disabled); clipped to [0, 1] (1 keeps only the
+      most probable token(s));
+    - repetition_penalty: NaN, <= 0 or +inf -> 1 (disabled);
+    - presence_penalty, frequency_penalty and logit biases: NaN -> 0; clipped to the finite
+      float32 range (a bias of -inf acts as a very large negative one);
+    - token ids outside `[0, V)` (-1 is padding) are ignored.
     """
-    t = jnp.where(self.temperature > 0, self.temperature, 0.0)  # NaN > 0 is False
-    k = jnp.maximum(self.top_k, 0)
-    p = jnp.where(jnp.isnan(self.top_p), 1.0, jnp.clip(self.top_p, 0.0, 1.0))
-    m = jnp.where(jnp.isnan(self.min_p), 0.0, jnp.clip(self.min_p, 0.0, 1.0))
-    return SamplingParams.tree_unflatten(None, (t, k, p, m))
+    def disabled_if_nan(v, off, lo, hi):
+      return jnp.where(jnp.isnan(v), off, jnp.clip(v, lo, hi))
+
+    def finite(v):
+      return disabled_if_nan(v, 0.0, -_F32_MAX, _F32_MAX)
+
+    rp = self.repetition_penalty
+    ids, biases = self.logit_bias
+    return self._with(
+        temperature=jnp.where(self.temperature > 0, self.temperature, 0.0),  # NaN > 0 is False
+        top_k=jnp.maximum(self.top_k, 0),
+        top_p=disabled_if_nan(self.top_p, 1.0, 0.0, 1.0),
+        min_p=disabled_if_nan(self.min_p, 0.0, 0.0, 1.0),
+        repetition_penalty=jnp.where((rp > 0) & jnp.isfinite(rp), rp, 1.0),
+        presence_penalty=finite(self.presence_penalty),
+        frequency_penalty=finite(self.frequency_penalty),
+        typical_p=disabled_if_nan(self.typical_p, 1.0, 0.0, 1.0),
+        epsilon_cutoff=disabled_if_nan(self.epsilon_cutoff, 0.0, 0.0, 1.0),
+        eta_cutoff=disabled_if_nan(self.eta_cutoff, 0.0, 0.0, 1.0),
+        min_new_tokens=jnp.maximum(self.min_new_tokens, 0),
+        logit_bias=(ids, finite(biases)))
+
+  def penalized(self) -> bool:
+    """True if a concrete penalty is active on some row (the call then needs token counts)."""
+    off = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    return any(_concrete_any(getattr(self, n), lambda v, o=o: v != o) for n, o in off.items())
+
+
+def _check_allowed_not_all_banned(banned: jax.Array, allowed: jax.Array) -> None:
+  """Raises ValueError if a row allows some tokens and bans every one of them (concrete only)."""
+  if not (_is_concrete(banned) and _is_concrete(allowed)):
+    return
+  banned, allowed = np.asarray(banned), np.asarray(allowed)
+  if not (np.any(banned >= 0) and np.any(allowed >= 0)):
+    return
+  for b in range(allowed.shape[0]):
+    ok = set(allowed[b][allowed[b] >= 0].tolist())
+    if ok and ok <= set(banned[b].tolist()):
+      raise ValueError(f"row {b} bans every token it allows ({sorted(ok)}): nothing could be "
+                       f"selected; remove some from banned_token_ids or allow more")
 
 
 _BY_NAME = {f.name: f for f in _FIELDS}

@@ -1,39 +1,63 @@
 """Logit processors: `[B, V]` logits in, `[B, V]` logits out; removed tokens become -inf.
 
-`process_logits` applies them in the documented order, temperature -> top-k -> top-p -> min-p.
-Each one is also usable on its own. All take a scalar or a per-row `[B]` parameter.
+`process_logits` applies them in this order (`process_f32`):
 
-Semantics (order-free, so that none of them needs a sort of the vocabulary):
+1. token sets: `banned_token_ids` -> -inf; a row with `allowed_token_ids` keeps only those;
+2. `logit_bias`: added to the logits of its tokens;
+3. penalties, from each row's token counts: `repetition_penalty` (HF: a seen token's logit is
+   divided by it if positive, multiplied if negative), then `frequency_penalty * count` and
+   `presence_penalty * (count > 0)` are subtracted (OpenAI/vLLM);
+4. temperature; 5. top-k; 6. top-p; 7. min-p; 8. typical-p; 9. epsilon; 10. eta.
+
+Steps 1-3 change the logits that everything after them sees, greedy rows (temperature 0)
+included: a temperature-0 row takes the argmax of the biased and penalized logits. Each
+truncation (5-10) acts on the distribution left by the steps before it, renormalized.
+
+Semantics of the truncations (order-free, so that none of them needs a sort of the vocabulary;
+p is the row's distribution at that step, H = -sum_j p_j log p_j its entropy in nats):
 
 - top-k keeps token i iff fewer than k tokens have a strictly larger logit (boundary ties kept).
 - top-p keeps token i iff the probability mass of the tokens strictly more probable than i is
   < p (the smallest nucleus reaching p, boundary ties kept, the most probable token always kept).
 - min-p keeps token i iff p_i >= min_p * max_j p_j.
+- typical-p keeps token i iff the mass of the tokens strictly more typical than i is < typical_p,
+  where token j is more typical than i iff |-log p_j - H| < |-log p_i - H| (the most typical
+  token is always kept; it need not be the most probable).
+- epsilon keeps token i iff p_i >= epsilon_cutoff or p_i = max_j p_j.
+- eta keeps token i iff p_i >= min(eta, sqrt(eta) * exp(-H)) or p_i = max_j p_j.
 
-Each kept set is an *upper set* of the row: every token whose logit is >= some threshold, so
-top-k followed by top-p is one threshold per row. A row whose kept set provably lies inside its
-64 largest logits gets the threshold from those candidates (`_thresholds_from_candidates`); any
-other row by a bisection over the 32 bits of the float32 order (`_largest_threshold`): 32 masked
-reductions over `[B, V]`. Both are exact, need no sort and have no data-dependent shapes.
+Each top-k/top-p kept set is an *upper set* of the row: every token whose logit is >= some
+threshold, so top-k followed by top-p is one threshold per row. A row whose kept set provably
+lies inside its 64 largest logits gets the threshold from those candidates
+(`_thresholds_from_candidates`); any other row by a bisection over the 32 bits of the float32
+order (`_largest_threshold`): 32 masked reductions over `[B, V]`. typical-p is an upper set in
+the order of typicality and uses the same bisection. All are exact, need no sort and have no
+data-dependent shapes; a step that no row uses is skipped (a `lax.cond` on the batch).
 
 Numerics: all math runs in float32 whatever the input dtype; outputs are cast back to it.
 Input hygiene, applied by every processor:
 
 - NaN logits become -inf (a NaN is never selected);
 - if a row has +inf logits, its distribution is uniform over them: +inf -> 0, the rest -> -inf;
-- a row whose logits are all -inf (or NaN) stays all -inf: it has nothing selectable.
+- a row whose logits are all -inf (or NaN) stays all -inf: it has nothing selectable;
+- a bias or penalty never turns -inf into a number, and saturates at the float32 range instead
+  of overflowing to +-inf.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxdecode.params import SamplingParams, as_field
 
 _NEG_INF = float("-inf")
 _TINY = float(jnp.finfo(jnp.float32).tiny)
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,6 +87,72 @@ def check_row_param(name: str, value, batch_size: int) -> jax.Array:
     raise ValueError(f"{name} has shape {value.shape} but logits have {batch_size} rows; "
                      f"expected a scalar or shape ({batch_size},)")
   return jnp.broadcast_to(value, (batch_size,))
+
+
+def check_counts(counts, batch_size: int, vocab_size: int) -> jax.Array:
+  """Validates per-row token counts: an integer array `[B, V]`; returns it as int32."""
+  shape, dtype = jnp.shape(counts), jnp.result_type(counts)
+  if shape != (batch_size, vocab_size) or not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"counts must be an integer array of shape ({batch_size}, {vocab_size}) "
+                     f"(how often each row has seen each token; see jaxdecode.token_counts); "
+                     f"got shape {shape} and dtype {dtype}")
+  return jnp.asarray(counts, jnp.int32)
+
+
+def check_call(logits, params, counts, *, caller: str):
+  """The checks shared by `process_logits` and the samplers, before anything compiles.
+
+  Returns `(params broadcast to the batch, int32 counts or None)`.
+  """
+  batch, vocab = check_logits(logits)
+  if not isinstance(params, SamplingParams):
+    raise ValueError(f"params must be a jaxdecode.SamplingParams; got {type(params).__name__}")
+  params = params.broadcast(batch, vocab)
+  if counts is not None:
+    counts = check_counts(counts, batch, vocab)
+  elif params.penalized():
+    raise ValueError(f"repetition_penalty, presence_penalty and frequency_penalty act on the "
+                     f"tokens each row has seen: pass counts=[B, V] to {caller} (see "
+                     f"jaxdecode.token_counts), or use jaxdecode.decode, which carries them")
+  mnt = params.min_new_tokens
+  if not isinstance(mnt, jax.core.Tracer) and np.any(np.asarray(mnt) > 0):
+    raise ValueError(f"min_new_tokens={np.asarray(mnt).max()} needs the EOS ids and the step, "
+                     f"which {caller} does not have; it applies in jaxdecode.decode")
+  return params, counts
+
+
+def token_counts(tokens, vocab_size: int, mask=None) -> jax.Array:
+  """How often each row holds each token id: `int32[B, V]` (the penalties' input).
+
+  Args:
+    tokens: `int[B, T]` token ids (e.g. left-padded prompts).
+    vocab_size: V.
+    mask: optional `bool[B, T]`, True on the tokens to count (e.g. `prompt_mask(lengths, T)`
+      to skip padding). Ids outside `[0, V)` are not counted.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdecode
+    >>> jaxdecode.token_counts(jnp.array([[0, 2, 2], [1, 1, 3]]), 4).tolist()
+    [[1, 0, 2, 0], [0, 2, 0, 1]]
+  """
+  if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+    raise ValueError(f"tokens must be an integer array [B, T]; got shape {jnp.shape(tokens)} "
+                     f"and dtype {jnp.result_type(tokens)}")
+  if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) \
+      or vocab_size < 1:
+    raise ValueError(f"vocab_size must be an integer >= 1; got {vocab_size!r}")
+  if mask is not None and jnp.shape(mask) != jnp.shape(tokens):
+    raise ValueError(f"mask must have the shape of tokens {jnp.shape(tokens)}; got "
+                     f"{jnp.shape(mask)}")
+  return _token_counts(jnp.asarray(tokens, jnp.int32),
+                       None if mask is None else jnp.asarray(mask, bool), int(vocab_size))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _token_counts(tokens, mask, vocab):
+  ones = jnp.ones(tokens.shape, jnp.int32) if mask is None else mask.astype(jnp.int32)
+  rows = lax.broadcasted_iota(jnp.int32, tokens.shape, 0)
+  return jnp.zeros((tokens.shape[0], vocab), jnp.int32).at[rows, tokens].add(ones, mode="drop")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,11 +353,149 @@ def apply_min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
   return lax.cond(jnp.any(min_p > 0), cut, lambda x: x, x)
 
 
-def process_f32(x: jax.Array, params: SamplingParams) -> jax.Array:
-  """The whole chain on prepared float32 logits with sanitized `[B]` params."""
+# Steps 1-3: token sets, logit bias, penalties (they change the logits, not only the kept set).
+
+
+def _valid_ids(ids: jax.Array, vocab: int) -> jax.Array:
+  """ids with padding (-1) and out-of-range ids replaced by `vocab` (dropped by scatters)."""
+  return jnp.where((ids >= 0) & (ids < vocab), ids, vocab)
+
+
+def _saturate(x: jax.Array, y: jax.Array) -> jax.Array:
+  """y where x is a number, clipped to the finite float32 range; -inf where x is -inf."""
+  return jnp.where(x == _NEG_INF, _NEG_INF, jnp.clip(y, -_F32_MAX, _F32_MAX))
+
+
+def apply_token_sets(x: jax.Array, banned: jax.Array, allowed: jax.Array) -> jax.Array:
+  """Banned ids -> -inf; a row with allowed ids keeps only those. ids: int32[B, K], -1 pads."""
+  vocab = x.shape[-1]
+  banned, allowed = _valid_ids(banned, vocab), _valid_ids(allowed, vocab)
+
+  def ban(x):
+    rows = lax.broadcasted_iota(jnp.int32, banned.shape, 0)
+    return x.at[rows, banned].set(_NEG_INF, mode="drop")
+
+  def allow(x):
+    rows = lax.broadcasted_iota(jnp.int32, allowed.shape, 0)
+    keep = jnp.zeros(x.shape, bool).at[rows, allowed].set(True, mode="drop")
+    restricted = jnp.any(allowed < vocab, axis=-1, keepdims=True)  # [B, 1]
+    return jnp.where(keep | ~restricted, x, _NEG_INF)
+
+  x = lax.cond(jnp.any(banned < vocab), ban, lambda x: x, x)
+  return lax.cond(jnp.any(allowed < vocab), allow, lambda x: x, x)
+
+
+def apply_logit_bias(x: jax.Array, ids: jax.Array, biases: jax.Array) -> jax.Array:
+  """Adds `biases[b, j]` to `x[b, ids[b, j]]` (duplicates add up). ids/biases: [B, K]."""
+  ids = _valid_ids(ids, x.shape[-1])
+
+  def add(x):
+    rows = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+    bias = jnp.zeros(x.shape, jnp.float32).at[rows, ids].add(biases, mode="drop")
+    return _saturate(x, x + bias)
+
+  return lax.cond(jnp.any((ids < x.shape[-1]) & (biases != 0)), add, lambda x: x, x)
+
+
+def apply_penalties(x: jax.Array, counts: jax.Array, repetition: jax.Array,
+                    presence: jax.Array, frequency: jax.Array) -> jax.Array:
+  """HF's repetition penalty, then OpenAI's frequency and presence penalties. counts: [B, V].
+
+  For a token seen c > 0 times: x -> x / r if x > 0 else x * r (r = repetition), then
+  x -> x - frequency * c - presence. Unseen tokens are unchanged. Negative counts count as 0.
+  """
+  active = (repetition != 1) | (presence != 0) | (frequency != 0)  # [B]
+
+  def penalize(x):
+    c = jnp.maximum(counts, 0)
+    seen = c > 0
+    r = repetition[:, None]
+    y = jnp.where(seen, jnp.where(x < 0, x * r, x / r), x)
+    y = y - jnp.where(seen, frequency[:, None] * c.astype(jnp.float32) + presence[:, None], 0.0)
+    return _saturate(x, y)
+
+  return lax.cond(jnp.any(active), penalize, lambda x: x, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps 8-10: truncations that need the renormalized distribution and its entropy.
+
+
+def _distribution(x: jax.Array):
+  """(p, log p, H) of softmax(x) per row: [B, V], [B, V], [B, 1]; p = 0 and H = 0 for empty rows."""
+  e, m = _unnormalized_probs(x)
+  z = jnp.sum(e, axis=-1, keepdims=True)
+  ok = z > 0
+  p = jnp.where(ok, e / jnp.where(ok, z, 1.0), 0.0)
+  log_p = jnp.where(e > 0, x - m - jnp.log(jnp.where(ok, z, 1.0)), _NEG_INF)
+  entropy = -jnp.sum(jnp.where(e > 0, p * log_p, 0.0), axis=-1, keepdims=True)
+  return p, log_p, entropy
+
+
+def apply_typical_p(x: jax.Array, typical_p: jax.Array) -> jax.Array:
+  """Keeps tokens whose strictly-more-typical mass is < typical_p; typical_p >= 1 keeps all.
+
+  Typicality is |-log p_i - H|. The kept set is an upper set of -|-log p_i - H|, so the same
+  bisection as top-p finds its threshold (32 masked sums over the vocabulary).
+  """
+  active = typical_p < 1  # [B]
+
+  def cut(x):
+    p, log_p, entropy = _distribution(x)
+    score = -jnp.abs(-log_p - entropy)  # higher is more typical
+    keys = jnp.where(p > 0, _order_keys(jnp.where(p > 0, score, 0.0)), jnp.uint32(0))
+    target = jnp.maximum(typical_p, _TINY) * jnp.sum(p, axis=-1)
+    tau = _largest_threshold(keys, p, target)
+    keep = (keys >= tau[:, None]) & (p > 0)
+    return jnp.where(keep | ~active[:, None], x, _NEG_INF)
+
+  return lax.cond(jnp.any(active), cut, lambda x: x, x)
+
+
+def _cut_below(x: jax.Array, active: jax.Array, threshold) -> jax.Array:
+  """Keeps p_i >= threshold(p, H) [B, 1] and the most probable token(s) of active rows."""
+  def cut(x):
+    p, _, entropy = _distribution(x)
+    keep = (p >= threshold(entropy)) | (x == jnp.max(x, axis=-1, keepdims=True))
+    return jnp.where(keep | ~active[:, None], x, _NEG_INF)
+
+  return lax.cond(jnp.any(active), cut, lambda x: x, x)
+
+
+def apply_epsilon_cutoff(x: jax.Array, epsilon: jax.Array) -> jax.Array:
+  """Keeps p_i >= epsilon and the most probable token(s); epsilon <= 0 keeps all."""
+  return _cut_below(x, epsilon > 0, lambda entropy: epsilon[:, None])
+
+
+def apply_eta_cutoff(x: jax.Array, eta: jax.Array) -> jax.Array:
+  """Keeps p_i >= min(eta, sqrt(eta) exp(-H)) and the most probable token(s); eta <= 0 keeps all."""
+  def threshold(entropy):
+    e = eta[:, None]
+    return jnp.minimum(e, jnp.sqrt(e) * jnp.exp(-entropy))
+
+  return _cut_below(x, eta > 0, threshold)
+
+
+def process_f32(x: jax.Array, params: SamplingParams, counts: jax.Array | None = None):
+  """The whole chain on prepared float32 logits with sanitized, broadcast params.
+
+  Args:
+    x: float32[B, V] from `prepare`.
+    params: `SamplingParams` after `broadcast(B)` and `sanitized()`.
+    counts: int32[B, V] token counts for the penalties, or None (no token seen yet: the
+      penalties change nothing).
+  """
+  x = apply_token_sets(x, params.banned_token_ids, params.allowed_token_ids)
+  x = apply_logit_bias(x, *params.logit_bias)
+  if counts is not None:
+    x = apply_penalties(x, counts, params.repetition_penalty, params.presence_penalty,
+                        params.frequency_penalty)
   x = apply_temperature(x, params.temperature)
   x = apply_top_k_top_p(x, params.top_k, params.top_p)
-  return apply_min_p(x, params.min_p)
+  x = apply_min_p(x, params.min_p)
+  x = apply_typical_p(x, params.typical_p)
+  x = apply_epsilon_cutoff(x, params.epsilon_cutoff)
+  return apply_eta_cutoff(x, params.eta_cutoff)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,16 +503,19 @@ def process_f32(x: jax.Array, params: SamplingParams) -> jax.Array:
 
 
 @jax.jit
-def _process_logits(logits, params):
-  return process_f32(prepare(logits), params.sanitized()).astype(logits.dtype)
+def _process_logits(logits, params, counts):
+  return process_f32(prepare(logits), params.sanitized(), counts).astype(logits.dtype)
 
 
-def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-  """Applies temperature -> top-k -> top-p -> min-p to `[B, V]` logits.
+def process_logits(logits: jax.Array, params: SamplingParams, *, counts=None) -> jax.Array:
+  """Applies the whole chain of `params` to `[B, V]` logits (order: this module's docstring).
 
   Args:
     logits: `[B, V]` floating logits (any float dtype; the math runs in float32).
-    params: a `SamplingParams`; each field a scalar or a `[B]` array.
+    params: a `SamplingParams`; each field a scalar or a `[B]` array. `min_new_tokens` must be 0
+      here (it needs `decode`'s EOS ids and step).
+    counts: `int[B, V]`, how often each row has seen each token (`jaxdecode.token_counts`);
+      needed when a penalty is set.
 
   Returns:
     `[B, V]` logits of the input dtype: the processed distribution is their softmax; removed
@@ -296,11 +527,13 @@ def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     >>> out = jaxdecode.process_logits(logits, jaxdecode.SamplingParams(top_p=0.8))
     >>> jnp.isfinite(out).tolist()  # 0.5 + 0.3 reaches 0.8: the third token is not needed
     [[True, True, False, False]]
+    >>> seen = jaxdecode.token_counts(jnp.array([[0, 0]]), 4)  # token 0 seen twice
+    >>> params = jaxdecode.SamplingParams(frequency_penalty=0.5, banned_token_ids=[3])
+    >>> jaxdecode.process_logits(jnp.zeros((1, 4)), params, counts=seen).tolist()
+    [[-1.0, 0.0, 0.0, -inf]]
   """
-  batch, _ = check_logits(logits)
-  if not isinstance(params, SamplingParams):
-    raise ValueError(f"params must be a jaxdecode.SamplingParams; got {type(params).__name__}")
-  return _process_logits(logits, params.broadcast(batch))
+  params, counts = check_call(logits, params, counts, caller="process_logits")
+  return _process_logits(logits, params, counts)
 
 
 def _public(name: str, field: str, apply):
@@ -361,4 +594,41 @@ min_p.__doc__ = """Keeps the tokens with probability >= min_p times the largest 
     >>> logits = jnp.log(jnp.array([[0.1, 0.6, 0.3]]))
     >>> jnp.isfinite(jaxdecode.processors.min_p(logits, 0.4)).tolist()
     [[False, True, True]]
+  """
+
+typical_p = _public("typical_p", "typical_p", apply_typical_p)
+typical_p.__doc__ = """Locally typical sampling: keeps the most typical tokens up to mass typical_p.
+
+  Token i is kept iff the mass of the tokens strictly more typical than i is < typical_p, where
+  typicality is the distance |-log p_i - H| of a token's information to the entropy H (1
+  disables). The most typical token is always kept; the most probable one need not be.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdecode
+    >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.2]]))  # H = 1.03 nats; -log p = .69, 1.2, 1.61
+    >>> jnp.isfinite(jaxdecode.processors.typical_p(logits, 0.25)).tolist()  # .3 is most typical
+    [[False, True, False]]
+  """
+
+epsilon_cutoff = _public("epsilon_cutoff", "epsilon_cutoff", apply_epsilon_cutoff)
+epsilon_cutoff.__doc__ = """Keeps the tokens with probability >= epsilon, and the most probable one.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdecode
+    >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.2], [0.4, 0.35, 0.25]]))
+    >>> jnp.isfinite(jaxdecode.processors.epsilon_cutoff(logits, 0.3)).tolist()
+    [[True, True, False], [True, True, False]]
+  """
+
+eta_cutoff = _public("eta_cutoff", "eta_cutoff", apply_eta_cutoff)
+eta_cutoff.__doc__ = """Keeps the tokens with probability >= min(eta, sqrt(eta) exp(-H)), and the top one.
+
+  The cut adapts to the entropy H: a confident (low-entropy) step cuts at eta, an uncertain one
+  cuts lower (0 disables).
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdecode
+    >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.2]]))  # sqrt(.25) * exp(-1.03) = 0.18
+    >>> jnp.isfinite(jaxdecode.processors.eta_cutoff(logits, 0.25)).tolist()
+    [[True, True, True]]
   """

@@ -95,43 +95,40 @@ def inverse_cdf(x: jax.Array, u: jax.Array):
   return token, logprob
 
 
-def sample_rows(keys: jax.Array, logits: jax.Array, params: SamplingParams):
-  """The traced core of sampling: typed keys [B], logits [B, V], sanitized [B] params.
+def sample_rows(keys: jax.Array, logits: jax.Array, params: SamplingParams,
+                counts: jax.Array | None = None):
+  """The traced core of sampling: typed keys [B], logits [B, V], sanitized broadcast params.
 
-  Returns (int32[B] tokens, float32[B] logprobs). `sample_with_logprobs` and `decode` both use it.
+  `counts` (int32[B, V] or None) feeds the penalties. Returns (int32[B] tokens, float32[B]
+  logprobs). `sample_with_logprobs` and `decode` both use it.
   """
   u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)  # [B]
-  x = processors.process_f32(processors.prepare(logits), params)
+  x = processors.process_f32(processors.prepare(logits), params, counts)
   return inverse_cdf(x, u)
 
 
-def _sample(key, logits, params):
-  return sample_rows(row_keys(key, logits.shape[0]), logits, params.sanitized())
+@jax.jit
+def _sample(key, logits, params, counts):
+  return sample_rows(row_keys(key, logits.shape[0]), logits, params.sanitized(), counts)
 
 
-_sample_jit = jax.jit(_sample)
-
-
-def _check(key, logits, params) -> SamplingParams:
-  batch, _ = processors.check_logits(logits)
-  if not isinstance(params, SamplingParams):
-    raise ValueError(f"params must be a jaxdecode.SamplingParams; got {type(params).__name__}")
-  check_key(key, batch)
-  return params.broadcast(batch)
-
-
-def sample_with_logprobs(key, logits: jax.Array, params: SamplingParams | None = None):
+def sample_with_logprobs(key, logits: jax.Array, params: SamplingParams | None = None, *,
+                         counts=None):
   """Samples one token per row and returns it with its log-probability.
 
   Args:
     key: one key, or one key per row (`[B]` typed keys or `[B, 2]` legacy uint32 keys).
     logits: `[B, V]` floating logits.
-    params: a `SamplingParams` (default: plain sampling at temperature 1).
+    params: a `SamplingParams` (default: plain sampling at temperature 1). `min_new_tokens`
+      must be 0 here: it needs `decode`'s EOS ids and step.
+    counts: `int[B, V]`, how often each row has seen each token (`jaxdecode.token_counts`);
+      needed when a penalty is set.
 
   Returns:
     `(tokens, logprobs)`: `int32[B]` and `float32[B]`, the log-probability of each chosen token
     under the processed distribution (0 for temperature-0 rows). A row with nothing selectable
-    (all logits -inf or NaN) gives token 0 and log-probability NaN.
+    (all logits -inf or NaN, or every allowed token banned) gives token 0 and log-probability
+    NaN.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxdecode
@@ -142,13 +139,17 @@ def sample_with_logprobs(key, logits: jax.Array, params: SamplingParams | None =
     ([0, 2], [0.0, 0.0])
   """
   params = SamplingParams() if params is None else params
-  return _sample_jit(key, logits, _check(key, logits, params))
+  params, counts = processors.check_call(logits, params, counts, caller="sample")
+  check_key(key, logits.shape[0])
+  return _sample(key, logits, params, counts)
 
 
-def sample(key, logits: jax.Array, params: SamplingParams | None = None) -> jax.Array:
+def sample(key, logits: jax.Array, params: SamplingParams | None = None, *,
+           counts=None) -> jax.Array:
   """Samples one token per row from the processed distribution; see `sample_with_logprobs`.
 
-  Rows with `temperature == 0` return exactly `greedy(logits)`.
+  Rows with `temperature == 0` return exactly the argmax of the logits after the token sets,
+  bias and penalties (`greedy(logits)` when none is set).
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxdecode
@@ -156,7 +157,7 @@ def sample(key, logits: jax.Array, params: SamplingParams | None = None) -> jax.
     >>> jaxdecode.sample(jax.random.key(0), logits, jaxdecode.SamplingParams(temperature=0.0))
     Array([1], dtype=int32)
   """
-  return sample_with_logprobs(key, logits, params)[0]
+  return sample_with_logprobs(key, logits, params, counts=counts)[0]
 
 
 @jax.jit

@@ -76,7 +76,7 @@ def test_row_decodes_the_same_alone_and_in_a_batch_of_8_at_any_slot():
     prompts = [list(rng.integers(0, VOCAB, rng.integers(1, 7))) for _ in range(8)]
     prompts[slot] = prompt
     logits, state, positions = toy_model.prefill(TABLE, prompts)
-    params = mixed_params(8, seed=slot)
+    params = mixed_params(8, seed=slot).broadcast(8)
     params = jax.tree.map(lambda v, x: v.at[slot].set(x[slot]), params,
                           SamplingParams(**row_params).broadcast(8))
     keys = jax.random.split(jax.random.key(slot), 8).at[slot].set(key)

@@ -15,10 +15,11 @@ def test_defaults_are_the_disabled_values():
   assert p.top_k.dtype == jnp.int32 and p.temperature.dtype == jnp.float32
 
 
-def test_is_a_pytree_of_four_leaves_that_round_trips():
+def test_is_a_pytree_of_fifteen_leaves_that_round_trips():
   p = SamplingParams(temperature=[0.5, 1.0], top_k=3, top_p=0.9, min_p=0.1)
   leaves, treedef = jax.tree.flatten(p)
-  assert len(leaves) == 4
+  # 11 number fields, logit_bias (ids, biases), banned and allowed ids.
+  assert len(leaves) == 15
   q = jax.tree.unflatten(treedef, leaves)
   assert isinstance(q, SamplingParams)
   np.testing.assert_array_equal(q.temperature, [0.5, 1.0])
@@ -91,7 +92,7 @@ def test_params_work_as_vmap_in_axes_and_tree_map():
   p = SamplingParams(temperature=[0.5, 1.0])
   doubled = jax.tree.map(lambda v: v * 2, p)
   np.testing.assert_array_equal(doubled.temperature, [1.0, 2.0])
-  axes = SamplingParams.tree_unflatten(None, (0, None, None, None))
+  axes = jax.tree.map(lambda v: 0 if v is p.temperature else None, p)
   out = jax.vmap(lambda q: q.temperature + q.top_p, in_axes=(axes,))(p)
   np.testing.assert_array_equal(out, [1.5, 2.0])
   assert jaxdecode.SamplingParams is SamplingParams

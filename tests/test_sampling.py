@@ -152,7 +152,7 @@ def test_vmap_over_samples_per_row_equals_the_flattened_batch():
   params = jaxdecode.SamplingParams(temperature=[0.5, 1.0, 1.0, 0.0], top_p=[0.9, 0.8, 1.0, 1.0])
   keys = per_row_keys(0, samples * batch).reshape(samples, batch)
   many = jax.vmap(jaxdecode.sample_with_logprobs, in_axes=(0, None, None))(keys, x, params)
-  flat_params = jax.tree.map(lambda v: jnp.tile(v, samples), params.broadcast(batch))
+  flat_params = jax.tree.map(lambda v: jnp.concatenate([v] * samples), params.broadcast(batch))
   flat = jaxdecode.sample_with_logprobs(keys.reshape(-1), jnp.tile(x, (samples, 1)), flat_params)
   np.testing.assert_array_equal(np.asarray(many[0]).ravel(), flat[0])
   np.testing.assert_allclose(np.asarray(many[1]).ravel(), flat[1], rtol=1e-6)

@@ -10,10 +10,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxdecode.decoding import bucket_length, decode, left_pad
+from jaxdecode.decoding import bucket_length, decode, left_pad, prompt_mask
 from jaxdecode.models.tokenizer import ByteTokenizer
 from jaxdecode.models.transformer import Transformer, make_step_fn, prefill
 from jaxdecode.params import SamplingParams
+from jaxdecode.processors import token_counts
 
 _STEP_FNS: dict = {}  # one jitted step function per model structure, so decode compiles once
 
@@ -51,7 +52,8 @@ def _step_fn(graphdef):
 
 def generate(prompts: Sequence[str], *, model: Transformer | None = None,
              params: SamplingParams | None = None, seed: int = 0, key=None,
-             max_new_tokens: int = 128, tokenizer: ByteTokenizer | None = None) -> Generation:
+             max_new_tokens: int = 128, tokenizer: ByteTokenizer | None = None,
+             penalize_prompt: bool = False) -> Generation:
   """Continues each text prompt; all prompts run as one batch.
 
   Args:
@@ -62,6 +64,9 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
     key: one key (row r uses `fold_in(key, r)`) or one key per prompt.
     max_new_tokens: the most tokens to generate per prompt (EOS may stop a row earlier).
     tokenizer: the byte tokenizer (default `ByteTokenizer()`).
+    penalize_prompt: whether the prompt's tokens count for the penalties of `params` (HF's
+      repetition_penalty does count them); by default only generated tokens count (OpenAI's
+      and vLLM's presence and frequency penalties).
 
   Returns:
     A `Generation`. The same key, prompts and params give the same texts.
@@ -102,9 +107,13 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
   logits, state = prefill(graphdef, weights, tokens, lengths,
                           cache_length=width + max_new_tokens)
   key = jax.random.key(seed) if key is None else key
+  counts = None
+  if penalize_prompt:
+    counts = token_counts(tokens, model.config.vocab_size,
+                          mask=prompt_mask(lengths, tokens.shape[1]))
   out = decode(_step_fn(graphdef), state, logits, key=key, params=params,
                max_new_tokens=max_new_tokens, positions=lengths, eos_ids=[tokenizer.EOS],
-               pad_id=tokenizer.PAD)
+               pad_id=tokenizer.PAD, counts=counts)
   new_tokens = np.asarray(out.tokens)
   seconds = time.perf_counter() - started
   out_lengths = np.asarray(out.lengths)
