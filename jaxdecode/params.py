@@ -396,8 +396,8 @@ class SamplingParams:
     - top_p and typical_p: NaN -> 1 (disabled); <= 0 -> only the most probable (most typical)
       token(s); > 1 -> 1;
     - min_p NaN -> 0 (disabled); clipped to [0, 1];
-    - epsilon_cutoff and eta_cutoff: NaN -> 0 (disabled); clipped to [0, 1] (1 keeps only the
-      most probable token(s));
+    - epsilon_cutoff and eta_cutoff: NaN -> 0 (disabled); clipped to [0, 1] (epsilon 1 keeps
+      only the most probable token(s); eta 1 cuts at exp(-H));
     - repetition_penalty: NaN, <= 0 or +inf -> 1 (disabled);
     - presence_penalty, frequency_penalty and logit biases: NaN -> 0; clipped to the finite
       float32 range (a bias of -inf acts as a very large negative one);

@@ -80,3 +80,136 @@ def process_row(x32, temperature, top_k, top_p, min_p):
   x, ambiguous = np.where(keep, x, -np.inf), ambiguous | amb
   keep, amb = min_p_keep(x, min_p)
   return np.where(keep, x, -np.inf), ambiguous | amb
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 6: penalties and the entropy-based truncations, from their definitions (float64).
+
+SCORE_TOL = 1e-4  # float32 typicality scores can reorder tokens whose scores are this close
+
+
+def penalize(x32, counts, repetition=1.0, presence=0.0, frequency=0.0):
+  """HF repetition penalty, then OpenAI frequency/presence penalties, in float32 like jaxdecode."""
+  x = np.asarray(x32, np.float32).copy()
+  counts = np.asarray(counts)
+  seen = counts > 0
+  r = np.float32(repetition)
+  x[seen] = np.where(x[seen] < 0, x[seen] * r, x[seen] / r)
+  x[seen] = x[seen] - (np.float32(frequency) * counts[seen].astype(np.float32)
+                       + np.float32(presence))
+  return x
+
+
+def _entropy(probs):
+  pos = probs > 0
+  return -np.sum(probs[pos] * np.log(probs[pos]))
+
+
+def typical_keep(x, mass):
+  """(keep, ambiguous): keep i iff the mass of the tokens strictly more typical than i < mass.
+
+  Token j is more typical than i iff |-log p_j - H| < |-log p_i - H|.
+  """
+  x = np.asarray(x, np.float64)
+  if mass >= 1:
+    return np.ones(x.size, bool), np.zeros(x.size, bool)
+  probs = softmax64(x)
+  pos = probs > 0
+  score = np.full(x.size, np.inf)
+  score[pos] = np.abs(-np.log(probs[pos]) - _entropy(probs))
+  keep = np.zeros(x.size, bool)
+  ambiguous = np.zeros(x.size, bool)
+  for i in np.flatnonzero(pos):
+    above = probs[score < score[i]].sum()
+    keep[i] = above < mass
+    # Robust unless a float32 perturbation of the scores (or of the mass) could flip it.
+    lo = probs[score < score[i] - SCORE_TOL].sum()
+    hi = probs[(score < score[i] + SCORE_TOL) & (x != x[i])].sum()
+    ambiguous[i] = not (hi < mass - TOL or lo >= mass + TOL)
+  return keep, ambiguous
+
+
+def _cut_keep(x, threshold):
+  probs = softmax64(x)
+  keep = (probs >= threshold) | (probs == probs.max())
+  ambiguous = (np.abs(probs - threshold) <= 1e-5 * threshold) & (probs != probs.max())
+  return keep, ambiguous
+
+
+def epsilon_keep(x, epsilon):
+  """(keep, ambiguous): keep i iff p_i >= epsilon or p_i is the largest probability."""
+  if epsilon <= 0:
+    return np.ones(len(x), bool), np.zeros(len(x), bool)
+  return _cut_keep(x, epsilon)
+
+
+def eta_keep(x, eta):
+  """(keep, ambiguous): keep i iff p_i >= min(eta, sqrt(eta) exp(-H)) or p_i is the largest."""
+  if eta <= 0:
+    return np.ones(len(x), bool), np.zeros(len(x), bool)
+  return _cut_keep(x, min(eta, np.sqrt(eta) * np.exp(-_entropy(softmax64(x)))))
+
+
+def process_row_full(x32, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0,
+                     epsilon=0.0, eta=0.0):
+  """`process_row` followed by typical-p, epsilon and eta. Returns (logits, ambiguous)."""
+  x, ambiguous = process_row(x32, temperature, top_k, top_p, min_p)
+  for keep_fn, value in ((typical_keep, typical_p), (epsilon_keep, epsilon), (eta_keep, eta)):
+    keep, amb = keep_fn(x, value)
+    x, ambiguous = np.where(keep, x, -np.inf), ambiguous | amb
+  return x, ambiguous
+
+
+# ---------------------------------------------------------------------------------------------
+# The peers' own algorithms, ported line by line to numpy (transformers' PyTorch warpers in
+# generation/logits_process.py, with min_tokens_to_keep=1): sort-based, unlike jaxdecode.
+
+
+def hf_repetition_penalty(scores, input_ids, penalty):
+  """RepetitionPenaltyLogitsProcessor: gather the seen ids, rescale, scatter back."""
+  scores = np.asarray(scores, np.float32).copy()
+  for b, ids in enumerate(input_ids):
+    score = scores[b, ids]
+    scores[b, ids] = np.where(score < 0, score * np.float32(penalty), score / np.float32(penalty))
+  return scores
+
+
+def _log_softmax(scores):
+  m = scores.max(axis=-1, keepdims=True)
+  return scores - m - np.log(np.exp(scores - m).sum(axis=-1, keepdims=True))
+
+
+def hf_typical_removed(scores, mass):
+  """TypicalLogitsWarper: bool[B, V], True where the token is removed."""
+  scores = np.asarray(scores, np.float64)
+  normalized = _log_softmax(scores)
+  p = np.exp(normalized)
+  ent = -np.nansum(normalized * p, axis=-1, keepdims=True)
+  shifted = np.abs(-normalized - ent)
+  sorted_indices = np.argsort(shifted, axis=-1, kind="stable")
+  sorted_scores = np.take_along_axis(shifted, sorted_indices, axis=-1)
+  sorted_logits = np.take_along_axis(scores, sorted_indices, axis=-1)
+  cumulative = np.cumsum(np.exp(_log_softmax(sorted_logits)), axis=-1)
+  last_ind = np.minimum((cumulative < mass).sum(axis=1), scores.shape[-1] - 1)
+  sorted_remove = sorted_scores > np.take_along_axis(sorted_scores, last_ind[:, None], axis=1)
+  sorted_remove[:, :1] = False
+  removed = np.zeros_like(sorted_remove)
+  np.put_along_axis(removed, sorted_indices, sorted_remove, axis=1)
+  return removed
+
+
+def hf_epsilon_removed(scores, epsilon):
+  """EpsilonLogitsWarper: p < epsilon, except the top token."""
+  scores = np.asarray(scores, np.float64)
+  probs = np.exp(_log_softmax(scores))
+  return (probs < epsilon) & (scores < scores.max(axis=-1, keepdims=True))
+
+
+def hf_eta_removed(scores, eta):
+  """EtaLogitsWarper: p < min(eta, sqrt(eta) exp(-H)), except the top token."""
+  scores = np.asarray(scores, np.float64)
+  logp = _log_softmax(scores)
+  probs = np.exp(logp)
+  entropy = -np.sum(probs * logp, axis=-1, keepdims=True)
+  threshold = np.minimum(eta, np.sqrt(eta) * np.exp(-entropy))
+  return (probs < threshold) & (scores < scores.max(axis=-1, keepdims=True))
