@@ -12,8 +12,8 @@ with a state of unchanged structure and shapes, plus a prefill that gives the fi
 The script decodes prompts of different lengths (left-padded with `jaxdecode.left_pad`, each row
 with its own positions) under per-row `SamplingParams`, stops rows at EOS, and checks that
   1. greedy rows equal a plain Python argmax loop over the trigram counts (no JAX),
-  2. every row decoded alone (batch of 1, no padding, same key) gives the same tokens as in the
-     padded batch,
+  2. the same rows in reversed slots, beside other neighbours and with more padding (same
+     per-row keys and params), give the same tokens,
   3. the final state's history holds each row's prompt followed by its new tokens.
 
 Run: python examples/bring_your_own_model.py [--max-new-tokens N] [--seed S]
@@ -189,13 +189,13 @@ def prefill(log_probs: jax.Array, tokens: jax.Array, lengths: jax.Array, bos: in
 
 
 def decode_rows(log_probs, vocab: Vocab, prompts, params, keys, max_new_tokens: int,
-                cache_length: int):
-  """Left-pads `prompts` (lists of ids), prefills and decodes them as one batch.
+                cache_length: int, width: int | None = None):
+  """Left-pads `prompts` (lists of ids) to `width` (default: the longest), prefills, decodes.
 
   A fixed `cache_length` keeps the state's shapes, and so decode's compiled program, the same
   whatever the prompt widths.
   """
-  tokens, lengths = jaxdecode.left_pad(prompts, pad_id=vocab.pad, buckets=None)
+  tokens, lengths = jaxdecode.left_pad(prompts, pad_id=vocab.pad, buckets=None, width=width)
   logits, state = prefill(log_probs, tokens, lengths, vocab.bos, cache_length=cache_length)
   return jaxdecode.decode(step_fn, state, logits, key=keys, params=params,
                           max_new_tokens=max_new_tokens, positions=lengths,
@@ -225,6 +225,15 @@ def python_greedy(vocab: Vocab, counts, prompt: list[int], max_new_tokens: int) 
   return new
 
 
+def row_params(settings) -> jaxdecode.SamplingParams:
+  """One `SamplingParams` holding one value per row, from (label, T, top-k, top-p, min-p) rows."""
+  _, temperature, top_k, top_p, min_p = zip(*settings)
+  return jaxdecode.SamplingParams(temperature=np.array(temperature, np.float32),
+                                  top_k=np.array(top_k, np.int32),
+                                  top_p=np.array(top_p, np.float32),
+                                  min_p=np.array(min_p, np.float32))
+
+
 def main(max_new_tokens: int = 48, seed: int = 0) -> dict:
   """Decodes PROMPTS under SETTINGS, prints them and checks the three claims.
 
@@ -234,13 +243,11 @@ def main(max_new_tokens: int = 48, seed: int = 0) -> dict:
   vocab, counts = count_trigrams(TEXT)
   log_probs = log_prob_table(vocab, counts)
   prompts = [vocab.encode(p) for p in PROMPTS]
-  labels, temperature, top_k, top_p, min_p = zip(*SETTINGS)
-  params = jaxdecode.SamplingParams(temperature=np.array(temperature, np.float32),
-                                    top_k=np.array(top_k, np.int32),
-                                    top_p=np.array(top_p, np.float32),
-                                    min_p=np.array(min_p, np.float32))  # one value per row
+  labels = [setting[0] for setting in SETTINGS]
+  params = row_params(SETTINGS)
   keys = jax.random.split(jax.random.key(seed), len(prompts))  # one key per row
-  cache_length = max(map(len, prompts)) + max_new_tokens
+  extra_padding = 8  # for check 2
+  cache_length = max(map(len, prompts)) + extra_padding + max_new_tokens
   out = decode_rows(log_probs, vocab, prompts, params, keys, max_new_tokens, cache_length)
   tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
   finished = np.asarray(out.finished)
@@ -267,15 +274,15 @@ def main(max_new_tokens: int = 48, seed: int = 0) -> dict:
   print(f"greedy rows equal a plain Python argmax loop: {greedy_ok}; only PAD after EOS: "
         f"{pad_ok}")
 
-  # 2. Each row alone: no padding, batch of 1, its own key and settings.
-  alone_ok = True
-  for row in range(len(prompts)):
-    one = jaxdecode.SamplingParams(temperature=temperature[row], top_k=top_k[row],
-                                   top_p=top_p[row], min_p=min_p[row])
-    single = decode_rows(log_probs, vocab, [prompts[row]], one, keys[row:row + 1],
-                         max_new_tokens, cache_length)
-    alone_ok &= np.array_equal(np.asarray(single.tokens[0]), tokens[row])
-  print(f"each row decoded alone gives the same tokens as in the padded batch: {alone_ok}")
+  # 2. The rows in reversed slots, each with 8 more padding tokens, each with its own key and
+  # params: a row's tokens depend only on its prompt, key and params.
+  flip = lambda x: x[::-1]
+  moved = decode_rows(log_probs, vocab, flip(prompts), row_params(flip(SETTINGS)), flip(keys),
+                      max_new_tokens, cache_length,
+                      width=max(map(len, prompts)) + extra_padding)
+  moved_ok = np.array_equal(flip(np.asarray(moved.tokens)), tokens)
+  print(f"the rows in reversed slots with {extra_padding} more padding tokens give the same "
+        f"tokens: {moved_ok}")
 
   # 3. The history "cache" holds prompt + new tokens (all but the last, which was never fed).
   history = np.asarray(out.state.history)
@@ -285,7 +292,7 @@ def main(max_new_tokens: int = 48, seed: int = 0) -> dict:
   print(f"the final state's history holds each prompt and its new tokens: {history_ok}")
 
   checks = {"greedy_matches_python": bool(greedy_ok), "pad_after_eos": bool(pad_ok),
-            "row_alone_matches_batch": bool(alone_ok), "history_matches": bool(history_ok)}
+            "moved_rows_match": bool(moved_ok), "history_matches": bool(history_ok)}
   if not all(checks.values()):
     raise SystemExit(f"a check failed: {checks}")
   return {**checks, "texts": texts, "finished": finished.tolist()}

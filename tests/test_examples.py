@@ -1,11 +1,17 @@
 """Every example runs (in a quick mode) and checks what it claims."""
 
+import importlib.util
 import os
 import runpy
 import subprocess
 import sys
 
+import jax
 import pytest
+from flax import nnx
+
+from jaxdecode import training
+from jaxdecode.models import load_checkpoint
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
@@ -30,3 +36,76 @@ def test_sharded_decode_example_matches_one_device(devices):
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"devices: {devices} (cpu)" in result.stdout
   assert "tokens identical to one device: True" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def byom():
+  """bring_your_own_model.py as one module for its tests, so they share decode's compiled loop."""
+  name = "example_bring_your_own_model"
+  spec = importlib.util.spec_from_file_location(name,
+                                                os.path.join(EXAMPLES, "bring_your_own_model.py"))
+  module = importlib.util.module_from_spec(spec)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setitem(sys.modules, name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+
+
+def test_quickstart_same_seed_gives_the_same_text(capsys):
+  prompts = ["The for statement", "def f(x):"]
+  result = load("quickstart.py")["main"](prompts=prompts, max_new_tokens=12)
+  out = capsys.readouterr().out
+  texts = result["texts"]
+  assert list(texts) == ["greedy", "temperature 0.7", "top-k 20", "top-p 0.9", "min-p 0.1"]
+  assert all(len(row) == len(prompts) and all(isinstance(t, str) for t in row)
+             for row in texts.values())
+  assert result["same"] and "identical text for every setting and prompt: True" in out
+  # Another seed never moves greedy and moves at least one of the 8 sampled texts.
+  assert result["greedy_same_other_seed"]
+  assert result["changed_other_seed"] >= 1
+  for name, row in texts.items():  # printed side by side, one line per setting
+    assert f"{name:<15} | {row[0]}".replace("\n", "\\n") in out
+
+
+def test_bring_your_own_model_greedy_equals_a_python_argmax_loop(byom, capsys):
+  result = byom.main(max_new_tokens=32)
+  out = capsys.readouterr().out
+  assert result["greedy_matches_python"] and result["pad_after_eos"]
+  assert result["moved_rows_match"] and result["history_matches"]
+  assert "greedy rows equal a plain Python argmax loop: True" in out
+  # The greedy rows of this text all reach "... the dog." and stop at EOS.
+  greedy_rows = [0, 1, 3]
+  assert [result["texts"][r] for r in greedy_rows] == [" on the dog.", " bird sat on the dog.",
+                                                       "the dog."]
+  assert all(result["finished"][r] for r in greedy_rows)
+
+
+def test_bring_your_own_model_checks_catch_a_model_unlike_its_counts(byom, monkeypatch):
+  counted_table = byom.log_prob_table
+
+  def noisy_table(vocab, counts):  # same shapes (no new compile), other argmaxes
+    table = counted_table(vocab, counts)
+    return table + jax.random.normal(jax.random.key(1), table.shape)
+
+  monkeypatch.setattr(byom, "log_prob_table", noisy_table)
+  with pytest.raises(SystemExit, match="'greedy_matches_python': False"):
+    byom.main(max_new_tokens=32)
+
+
+def test_train_on_your_text_lowers_the_loss_and_reloads_exactly(tmp_path):
+  text = os.path.join(EXAMPLES, "..", "README.md")  # the user's own file
+  out = str(tmp_path / "mine.msgpack")
+  result = load("train_on_your_text.py")["main"](text, quick=True, out=out)
+  assert result["val_loss_after"] < result["val_loss_before"] - 1.0
+  history = result["history"]
+  assert history[0][0] == 1 and history[-1][0] == 60
+  assert history[-1][1] < history[0][1]
+  assert result["reload_equals_float16"]
+  assert 0 < result["reload_max_diff_float32"] < 0.05  # float16 rounding, nothing more
+  assert all(isinstance(t, str) and t for t in result["texts"].values())
+  # Independently: the file's model scores the held-out text as the trained model did.
+  model, metadata = load_checkpoint(out)
+  val = training.split_stream(training.load_corpus(text))[1]
+  loss = training.evaluate(*nnx.split(model), val, 64)
+  assert metadata["steps"] == 60
+  assert abs(loss - metadata["val_loss"]) < 0.01
