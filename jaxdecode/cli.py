@@ -51,6 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--top-k", type=_integer, default=0)
   g.add_argument("--top-p", type=_number, default=0.95)
   g.add_argument("--min-p", type=_number, default=0.0)
+  g.add_argument("--typical-p", type=_number, default=1.0)
+  g.add_argument("--epsilon-cutoff", type=_number, default=0.0)
+  g.add_argument("--eta-cutoff", type=_number, default=0.0)
+  g.add_argument("--repetition-penalty", type=_number, default=1.0,
+                 help="HF's rule: > 1 discourages tokens already seen")
+  g.add_argument("--presence-penalty", type=_number, default=0.0)
+  g.add_argument("--frequency-penalty", type=_number, default=0.0)
+  g.add_argument("--penalize-prompt", action="store_true",
+                 help="count the prompt's tokens for the penalties (default: only new tokens)")
+  g.add_argument("--min-new-tokens", type=_integer, default=0,
+                 help="no end of text before this many new tokens")
   g.add_argument("--seed", type=_integer, default=0)
   g.add_argument("--max-new-tokens", type=_positive_int, default=160)
   g.add_argument("--greedy", action="store_true", help="temperature 0 (overrides --temperature)")
@@ -103,6 +114,10 @@ def _load_model(path):
   return models.load_checkpoint(path)[0]
 
 
+_CONTROL = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_new_tokens": 0}
+
+
 def _generate(args) -> None:
   from jaxdecode import SamplingParams  # pylint: disable=import-outside-toplevel
   from jaxdecode.models import generate  # pylint: disable=import-outside-toplevel
@@ -110,17 +125,20 @@ def _generate(args) -> None:
     if not prompt.strip():
       raise ValueError(f"prompt {i + 1} is empty; give some text to continue")
   temperature = 0.0 if args.greedy else args.temperature
+  control = {name: getattr(args, name) for name in _CONTROL if getattr(args, name) !=
+             _CONTROL[name]}
   params = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p)
+                          min_p=args.min_p, **control)
   model = _load_model(args.model)
   out = generate(args.prompts, model=model, params=params, seed=args.seed,
-                 max_new_tokens=args.max_new_tokens)
+                 max_new_tokens=args.max_new_tokens, penalize_prompt=args.penalize_prompt)
   for i, (prompt, text) in enumerate(zip(args.prompts, out.texts)):
     print(f"--- [{i + 1}] {prompt!r}")
     print(prompt + text)
   settings = ("greedy" if args.greedy else
               f"temperature={temperature:g} top_k={args.top_k} top_p={args.top_p:g} "
-              f"min_p={args.min_p:g}")
+              f"min_p={args.min_p:g}") + "".join(f" {k}={v:g}" for k, v in control.items()) + (
+                  " penalize_prompt" if args.penalize_prompt else "")
   print(f"--- {settings} seed={args.seed} | {len(args.prompts)} prompt(s), "
         f"{int(out.lengths.sum())} new tokens in {out.seconds:.2f} s "
         f"({out.tokens_per_second:.0f} tokens/s, compilation included)")

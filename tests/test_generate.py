@@ -53,6 +53,31 @@ def test_greedy_generate_equals_a_full_forward_argmax_loop(tiny):
   np.testing.assert_array_equal(out.logprobs, 0.0)  # greedy: a point mass
 
 
+@pytest.mark.parametrize("penalize_prompt", [False, True])
+def test_greedy_generate_with_penalties_equals_a_penalized_full_forward_loop(tiny,
+                                                                          penalize_prompt):
+  model, _ = tiny
+  graphdef, weights = nnx.split(model)
+  prompt = "eeT"  # greedy without the prompt's counts emits "e" at step 4; with them it does not
+  params = jaxdecode.SamplingParams(temperature=0.0, repetition_penalty=1.5,
+                                    presence_penalty=0.5, frequency_penalty=0.2)
+  out = generate([prompt], model=model, params=params, max_new_tokens=10,
+                 penalize_prompt=penalize_prompt)
+  ids = TOK.encode(prompt)
+  new = []
+  for _ in range(10):  # independent: full forward + the penalty formulas in numpy
+    seq, length = jaxdecode.left_pad([ids + new], pad_id=TOK.PAD, width=32)
+    x = np.asarray(forward(graphdef, weights, seq, length)[0, -1], np.float64)
+    counts = np.bincount((ids if penalize_prompt else []) + new, minlength=x.size)
+    seen = counts > 0
+    x[seen] = np.where(x[seen] < 0, x[seen] * 1.5, x[seen] / 1.5) - 0.2 * counts[seen] - 0.5
+    new.append(int(np.argmax(x)))
+    if new[-1] == TOK.EOS:
+      break
+  assert out.tokens[0, :out.lengths[0]].tolist() == new
+  assert (ord("e") in new[:5]) != penalize_prompt
+
+
 def test_same_seed_same_text_and_fields_are_consistent(tiny):
   model, _ = tiny
   params = jaxdecode.SamplingParams(temperature=1.0, top_p=0.95)
@@ -154,8 +179,27 @@ def test_cli_generate_is_reproducible_and_prints_a_summary(tiny, capsys):
   assert code == 0 and "--- greedy seed=0 | 1 prompt(s)" in greedy
 
 
+def test_cli_generate_passes_penalties_and_truncations_to_generate(tiny, capsys):
+  model, path = tiny
+  code, out, _ = run_cli(capsys, "generate", "eeT", "--model", path, "--greedy",
+                         "--max-new-tokens", "10", "--repetition-penalty", "1.5",
+                         "--presence-penalty", "0.5", "--frequency-penalty", "0.2",
+                         "--penalize-prompt", "--typical-p", "0.9", "--min-new-tokens", "4")
+  assert code == 0
+  params = jaxdecode.SamplingParams(temperature=0.0, repetition_penalty=1.5, typical_p=0.9,
+                                    presence_penalty=0.5, frequency_penalty=0.2,
+                                    min_new_tokens=4)
+  expected = generate(["eeT"], model=model, params=params, max_new_tokens=10,
+                      penalize_prompt=True).texts[0]
+  assert out.splitlines()[1] == ("eeT" + expected).splitlines()[0]
+  assert ("--- greedy typical_p=0.9 repetition_penalty=1.5 presence_penalty=0.5 "
+          "frequency_penalty=0.2 min_new_tokens=4 penalize_prompt seed=0") in out
+
+
 @pytest.mark.parametrize("argv,fragment", [
     (["generate", ""], "prompt 1 is empty"),
+    (["generate", "x", "--typical-p", "0"], "typical_p must be"),
+    (["generate", "x", "--min-new-tokens", "-1"], "min_new_tokens must be an integer >= 0"),
     (["generate", "x", "--top-p", "1.5"], "top_p must be"),
     (["generate", "x", "--top-k", "2.5"], "expected an integer, got '2.5'"),
     (["generate", "x", "--max-new-tokens", "0"], "expected a positive integer, got '0'"),
