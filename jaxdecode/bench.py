@@ -82,6 +82,19 @@ KERNEL_PARAMS = {
     "min_p": dict(min_p=0.05),
     "chain": dict(temperature=0.8, top_k=50, top_p=TOP_P, min_p=0.05),
 }
+# Issue 6's controls, timed in the same round robin (a second table). "penalties" gets token
+# counts of CONTROL_SEEN random tokens per row; the token fields hold CONTROL_IDS ids per row.
+CONTROL_IDS = 32
+CONTROL_ALLOWED = 1000
+CONTROL_SEEN = 64
+CONTROL_PARAMS = {
+    "penalties": dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5),
+    "bias_ban": "logit_bias and banned_token_ids, CONTROL_IDS each",
+    "allowed": "allowed_token_ids, CONTROL_ALLOWED per row",
+    "typical": dict(typical_p=0.9),
+    "epsilon": dict(epsilon_cutoff=3e-4),
+    "eta": dict(eta_cutoff=3e-4),
+}
 SORT_PEER = "sort_top_p"
 HF_PEER = "transformers_top_p"
 
@@ -273,6 +286,9 @@ def kernel_row(shape: str, batch: int, vocab: int, *, runs: int = RUNS, peers: b
   for name, settings in KERNEL_PARAMS.items():
     params = SamplingParams(**settings)  # built (and validated) once, outside the timing
     fns[name] = lambda params=params: jaxdecode.sample(key, logits, params)
+  for name, (params, counts) in control_params(batch, vocab, seed).items():
+    fns[name] = lambda params=params, counts=counts: jaxdecode.sample(key, logits, params,
+                                                                     counts=counts)
   if peers:
     top_p = jnp.float32(TOP_P)
     fns[SORT_PEER] = lambda: sort_top_p_sample(key, logits, top_p)
@@ -287,6 +303,26 @@ def kernel_row(shape: str, batch: int, vocab: int, *, runs: int = RUNS, peers: b
   if HF_PEER in medians:
     row["speedup"]["vs_transformers"] = medians[HF_PEER] / medians["top_p"]
   return row
+
+
+def control_params(batch: int, vocab: int, seed: int = 0) -> dict:
+  """name -> (SamplingParams, counts or None) for the control columns (see CONTROL_PARAMS)."""
+  rng = np.random.default_rng(seed)
+  def ids(n):
+    return [rng.choice(vocab, min(n, vocab), replace=False).tolist() for _ in range(batch)]
+
+  seen = rng.integers(0, vocab, size=(batch, CONTROL_SEEN))
+  counts = jaxdecode.token_counts(jnp.asarray(seen), vocab)
+  return {
+      "penalties": (SamplingParams(**CONTROL_PARAMS["penalties"]), counts),
+      "bias_ban": (SamplingParams(
+          logit_bias=[dict(zip(r, rng.normal(size=CONTROL_IDS).tolist())) for r in
+                      ids(CONTROL_IDS)], banned_token_ids=ids(CONTROL_IDS)), None),
+      "allowed": (SamplingParams(allowed_token_ids=ids(CONTROL_ALLOWED)), None),
+      "typical": (SamplingParams(**CONTROL_PARAMS["typical"]), None),
+      "epsilon": (SamplingParams(**CONTROL_PARAMS["epsilon"]), None),
+      "eta": (SamplingParams(**CONTROL_PARAMS["eta"]), None),
+  }
 
 
 def kernel_table(*, batches: Sequence[int] = BATCHES, vocabs: Sequence[int] = VOCABS,
@@ -508,7 +544,7 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
                  "the transformers columns are skipped (pip install 'transformers<5')")
   settings = {
       "quick": quick, "runs": runs, "warmup": WARMUP, "top_p": TOP_P,
-      "kernel_params": KERNEL_PARAMS,
+      "kernel_params": KERNEL_PARAMS, "control_params": CONTROL_PARAMS,
       "batches": list(batches or (QUICK_BATCHES if quick else BATCHES)),
       "vocabs": list(vocabs or (QUICK_VOCABS if quick else VOCABS)), "shapes": list(shapes),
       "peer_max_elements": None if all_peers else PEER_MAX_ELEMENTS}
@@ -536,6 +572,9 @@ def _fmt(value: float | None) -> str:
   return f"{value:.2f}" if value < 10 else f"{value:.1f}"
 
 
+_CONTROL_COLUMNS = (("penalties", "penalties"), ("bias+ban", "bias_ban"),
+                    ("allowed", "allowed"), ("typical-p", "typical"), ("epsilon", "epsilon"),
+                    ("eta", "eta"))
 _KERNEL_COLUMNS = (  # (header, ratio key) after `argmax ms`
     ("greedy", "greedy"), ("sample", "sample"), ("top-k", "top_k"), ("top-p", "top_p"),
     ("min-p", "min_p"), ("chain", "chain"), ("sort-p", SORT_PEER), ("hf-p", HF_PEER))
@@ -584,6 +623,20 @@ def format_table(result: Mapping) -> str:
     if skipped:
       lines += textwrap.wrap(f"peers not timed where B*V > {s['peer_max_elements']} (run with "
                              f"--all-peers): {'; '.join(skipped)}", _WIDTH)
+    lines.append("")
+    lines += textwrap.wrap("Controls: time / argmax time, timed in the same round robin as the "
+                           "kernels above.", _WIDTH)
+    header = (f"{'shape':<5} {'B':>3} {'V':>7} "
+              + " ".join(f"{h:>9}" for h, _ in _CONTROL_COLUMNS))
+    lines += [header, "-" * len(header)]
+    for row in kernel:
+      lines.append(f"{row['shape']:<5} {row['batch']:>3} {row['vocab']:>7} "
+                   + " ".join(f"{_fmt(row['ratio'].get(k)):>9}" for _, k in _CONTROL_COLUMNS))
+    lines += textwrap.wrap(
+        f"penalties = repetition 1.2 + presence 0.5 + frequency 0.5 with counts of "
+        f"{CONTROL_SEEN} seen tokens per row; bias+ban = logit_bias and banned_token_ids, "
+        f"{CONTROL_IDS} ids each per row; allowed = allowed_token_ids, {CONTROL_ALLOWED} per "
+        f"row; typical-p 0.9; epsilon 3e-4; eta 3e-4 (jaxdecode.sample at T=1).", _WIDTH)
     lines.append("")
   decode_rows = result["decode"]
   if decode_rows:

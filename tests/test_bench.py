@@ -15,7 +15,8 @@ import jaxdecode
 from jaxdecode import SamplingParams, bench
 import reference
 
-SAMPLERS = ("argmax", "greedy", "sample", "top_k", "top_p", "min_p", "chain")
+SAMPLERS = ("argmax", "greedy", "sample", "top_k", "top_p", "min_p", "chain",
+            *bench.CONTROL_PARAMS)
 HAS_TRANSFORMERS = bench.transformers_top_p_sampler() is not None
 
 
@@ -53,7 +54,8 @@ def test_result_is_valid_json_and_formats_as_a_table(kernel_result):
     assert back["machine"][field]
   table = bench.format_table(kernel_result)
   assert "$ test" in table and "argmax ms" in table
-  assert sum(line.startswith(("wide ", "lm ")) for line in table.splitlines()) == 2
+  assert sum(line.startswith(("wide ", "lm ")) for line in table.splitlines()) == 4  # 2 tables
+  assert "penalties  bias+ban" in table
 
 
 def test_time_round_robin_alternates_after_warmup():
