@@ -1,0 +1,495 @@
+"""Degeneration metrics: diversity, repetition, model log-likelihood and entropy of generations.
+
+Every metric reads a batch of generated sequences as `tokens [B, N]` with per-row `lengths [B]`:
+row b is `tokens[b, :lengths[b]]` and anything after it (padding after EOS) is ignored. An n-gram
+is n consecutive tokens of one row; n-grams never span two rows.
+
+Each aggregate comes in two forms:
+
+- over the set (the default, `per_sequence=False`): one float; counts are pooled over all rows
+  first, then divided (so long rows weigh more than short ones);
+- per sequence (`per_sequence=True`): a `[B]` array, one value per row.
+
+A ratio with nothing to count (a row shorter than n, a set with no tokens) is NaN, never 0: it
+is undefined, not perfect or terrible.
+
+The n-gram metrics (`distinct_n`, `repetition_rate`, `longest_repeated_span`) are numpy. The
+model-based ones (`token_log_likelihoods`, `mean_log_likelihood`, `step_entropies`,
+`mean_entropy`) take JAX arrays: the model's raw logits at every generated step, e.g. from
+`teacher_forced_logits`.
+
+Example:
+  >>> import numpy as np
+  >>> tokens = np.array([[1, 2, 1, 2, 0], [3, 3, 3, 9, 9]])  # [B, N]
+  >>> lengths = np.array([4, 3])                            # row 1 is [3, 3, 3]
+  >>> distinct_n(tokens, lengths, 2)  # bigrams 12 21 12 | 33 33: 3 distinct of 5
+  0.6
+  >>> longest_repeated_span(tokens, lengths).tolist()  # "1 2" twice; "3 3" at 0 and 1
+  [2, 2]
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode import processors
+from jaxdecode.params import SamplingParams
+
+MAX_N = 4  # distinct-n is usually reported for n = 1..MAX_N
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (Python, before anything compiles).
+
+
+def _check_tokens(tokens, lengths) -> tuple[np.ndarray, np.ndarray]:
+  """`(tokens int64[B, N], lengths int64[B])` on the host; ValueError for bad shapes or values."""
+  host = np.asarray(tokens)
+  if host.ndim != 2 or not (np.issubdtype(host.dtype, np.integer) or host.size == 0):
+    raise ValueError(f"tokens must be an integer array [B, N]; got shape {host.shape} of dtype "
+                     f"{host.dtype}")
+  batch, width = host.shape
+  lens = np.asarray(lengths)
+  if lens.shape != (batch,) or not (np.issubdtype(lens.dtype, np.integer) or lens.size == 0):
+    raise ValueError(f"lengths must be an integer array of shape ({batch},), one per row of "
+                     f"tokens; got shape {lens.shape} of dtype {lens.dtype}")
+  if lens.size and (lens.min() < 0 or lens.max() > width):
+    raise ValueError(f"lengths must be in [0, N = {width}]; got {lens.tolist()}")
+  return host.astype(np.int64), lens.astype(np.int64)
+
+
+def _check_n(n) -> int:
+  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+    raise ValueError(f"n must be an integer >= 1; got {n!r}")
+  return int(n)
+
+
+def _check_logits(logits, tokens, lengths):
+  """Checks float `[B, N, V]` logits against `[B, N]` tokens in [0, V) and `[B]` lengths."""
+  shape = jnp.shape(logits)
+  if len(shape) != 3 or not jnp.issubdtype(jnp.result_type(logits), jnp.floating):
+    raise ValueError(f"logits must be a floating array [B, N, V] (the model's logits at each "
+                     f"generated step); got shape {shape} of dtype {jnp.result_type(logits)}")
+  if shape[2] < 1:
+    raise ValueError(f"logits must have a vocabulary of at least one token; got shape {shape}")
+  if tokens is not None:
+    if jnp.shape(tokens) != shape[:2]:
+      raise ValueError(f"tokens must have shape {shape[:2]}, the [B, N] of the logits; got "
+                       f"{jnp.shape(tokens)}")
+    host, _ = _check_tokens(tokens, np.full(shape[0], shape[1]))
+    if host.size and (host.min() < 0 or host.max() >= shape[2]):
+      raise ValueError(f"tokens must be ids in [0, {shape[2]}) (the vocabulary of the logits); "
+                       f"got: min {host.min()} / max {host.max()}")
+  _, lens = _check_tokens(np.zeros(shape[:2], np.int32), lengths)
+  return jnp.asarray(lens, jnp.int32)
+
+
+def _check_per_sequence(per_sequence) -> None:
+  if not isinstance(per_sequence, bool):
+    raise ValueError(f"per_sequence must be True or False; got {per_sequence!r}")
+
+
+def _ratio(numerator, denominator):
+  """numerator / denominator elementwise, NaN where the denominator is 0."""
+  numerator = np.asarray(numerator, np.float64)
+  denominator = np.asarray(denominator, np.float64)
+  safe = np.where(denominator > 0, denominator, 1.0)
+  return np.where(denominator > 0, numerator / safe, np.nan)
+
+
+def _aggregate(numerator, denominator, per_sequence: bool):
+  """Per row `[B]`, or pooled over the set (sum / sum) as a Python float."""
+  if per_sequence:
+    return _ratio(numerator, denominator)
+  return float(_ratio(np.sum(numerator), np.sum(denominator)))
+
+
+def masked_mean(values, lengths, *, per_sequence: bool = False):
+  """The mean of per-step values `[B, N]` over each row's first `lengths[b]` steps.
+
+  How `mean_log_likelihood` and `mean_entropy` aggregate `token_log_likelihoods` and
+  `step_entropies`; use it to aggregate a subset of rows without recomputing them.
+
+  Args:
+    values: `[B, N]` numbers (steps at or after a row's length are ignored, whatever they hold).
+    lengths: integer `[B]`, each in [0, N].
+    per_sequence: one mean per row instead of one over every valid step of the set.
+
+  Returns:
+    A float (NaN when there is no valid step), or a float64 `[B]` array (NaN for empty rows).
+
+  Examples:
+    >>> masked_mean([[1.0, 3.0, 99.0], [5.0, 99.0, 99.0]], [2, 1])  # (1 + 3 + 5) / 3
+    3.0
+    >>> masked_mean([[1.0, 3.0, 99.0], [5.0, 99.0, 99.0]], [2, 1], per_sequence=True).tolist()
+    [2.0, 5.0]
+  """
+  _check_per_sequence(per_sequence)
+  values = np.asarray(values, np.float64)
+  if values.ndim != 2:
+    raise ValueError(f"values must be an array [B, N]; got shape {values.shape}")
+  _, lengths = _check_tokens(np.zeros(values.shape, np.int32), lengths)
+  valid = np.arange(values.shape[1])[None, :] < lengths[:, None]
+  return _aggregate(np.where(valid, values, 0.0).sum(axis=1), lengths, per_sequence)
+
+
+# ---------------------------------------------------------------------------------------------
+# n-gram metrics (numpy).
+
+
+def _ngrams(row: np.ndarray, n: int) -> np.ndarray:
+  """The n-grams of one row as `[max(len - n + 1, 0), n]`."""
+  if len(row) < n:
+    return np.zeros((0, n), row.dtype)
+  return np.lib.stride_tricks.sliding_window_view(row, n)
+
+
+def ngram_counts(tokens, lengths, n: int) -> tuple[np.ndarray, np.ndarray]:
+  """Per row: how many n-grams it has and how many of them are distinct.
+
+  Args:
+    tokens: integer `[B, N]`.
+    lengths: integer `[B]`, each in [0, N]; row b is `tokens[b, :lengths[b]]`.
+    n: the n-gram size (>= 1).
+
+  Returns:
+    `(total int64[B], distinct int64[B])` with `total[b] = max(lengths[b] - n + 1, 0)`.
+
+  Examples:
+    >>> total, distinct = ngram_counts([[5, 5, 5, 5]], [4], 2)
+    >>> total.tolist(), distinct.tolist()
+    ([3], [1])
+  """
+  tokens, lengths = _check_tokens(tokens, lengths)
+  n = _check_n(n)
+  total = np.zeros(len(lengths), np.int64)
+  distinct = np.zeros(len(lengths), np.int64)
+  for b, (row, length) in enumerate(zip(tokens, lengths)):
+    grams = _ngrams(row[:length], n)
+    total[b] = len(grams)
+    distinct[b] = len(np.unique(grams, axis=0)) if len(grams) else 0
+  return total, distinct
+
+
+def distinct_n(tokens, lengths, n: int, *, per_sequence: bool = False):
+  """distinct-n: the number of distinct n-grams divided by the number of n-grams.
+
+  Over the set (default), an n-gram that occurs in several rows counts once in the numerator
+  and every occurrence counts in the denominator: `|union of the rows' n-gram sets| / sum of
+  the rows' n-gram counts`. Per sequence, each row is its own set.
+
+  Args:
+    tokens: integer `[B, N]`.
+    lengths: integer `[B]`, each in [0, N]; tokens after a row's length are ignored.
+    n: the n-gram size (>= 1).
+    per_sequence: one value per row instead of one for the whole set.
+
+  Returns:
+    A float in (0, 1] (NaN if there is no n-gram at all), or a float64 `[B]` array with NaN for
+    rows shorter than n.
+
+  Examples:
+    >>> distinct_n([[1, 2, 3], [1, 2, 4]], [3, 3], 2)  # 12 23 | 12 24: 3 distinct of 4
+    0.75
+    >>> distinct_n([[1, 2, 3], [1, 2, 4]], [3, 3], 2, per_sequence=True).tolist()
+    [1.0, 1.0]
+  """
+  tokens, lengths = _check_tokens(tokens, lengths)
+  n = _check_n(n)
+  _check_per_sequence(per_sequence)
+  total, distinct = ngram_counts(tokens, lengths, n)
+  if per_sequence:
+    return _ratio(distinct, total)
+  grams = [_ngrams(row[:length], n) for row, length in zip(tokens, lengths)]
+  pooled = np.concatenate(grams, axis=0) if grams else np.zeros((0, n), np.int64)
+  union = len(np.unique(pooled, axis=0)) if len(pooled) else 0
+  return float(_ratio(union, total.sum()))
+
+
+def repetition_rate(tokens, lengths, n: int, *, per_sequence: bool = False):
+  """The share of n-grams that already occurred earlier in the same sequence.
+
+  The n-gram starting at position i of a row is *repeated* if the same n-gram starts at some
+  position j < i of that row (overlapping occurrences count: in `a a a`, the bigram at 1
+  repeats the one at 0). Repeats across rows do not count. Per row this is
+  `1 - distinct_n(..., per_sequence=True)`; over the set it pools the rows' counts:
+  `sum(repeated) / sum(n-grams)`.
+
+  Args:
+    tokens: integer `[B, N]`.
+    lengths: integer `[B]`, each in [0, N]; tokens after a row's length are ignored.
+    n: the n-gram size (>= 1).
+    per_sequence: one value per row instead of one for the whole set.
+
+  Returns:
+    A float in [0, 1) (NaN if there is no n-gram at all), or a float64 `[B]` array with NaN for
+    rows shorter than n.
+
+  Examples:
+    >>> repetition_rate([[7, 7, 7, 7, 8]], [5], 2)  # 77 77 77 78: two repeats of 4 bigrams
+    0.5
+  """
+  _check_per_sequence(per_sequence)
+  total, distinct = ngram_counts(tokens, lengths, n)
+  return _aggregate(total - distinct, total, per_sequence)
+
+
+def _longest_run(matches: np.ndarray) -> int:
+  """The longest run of consecutive True values in a 1-D bool array."""
+  if not matches.any():
+    return 0
+  padded = np.concatenate([[False], matches, [False]])
+  edges = np.flatnonzero(padded[1:] != padded[:-1])  # starts and ends of the runs, alternating
+  return int((edges[1::2] - edges[::2]).max())
+
+
+def longest_repeated_span(tokens, lengths, *, overlapping: bool = True) -> np.ndarray:
+  """Per row, the length of the longest token substring that occurs at least twice in it.
+
+  Two occurrences are two different start positions. With `overlapping=True` (default) they
+  may overlap: `a a a a` has `a a a` at 0 and at 1, so its span is 3. With
+  `overlapping=False` the two occurrences must be disjoint: `a a a a` gives 2 (`a a` at 0 and
+  2). A row with no repeated token (or empty) gives 0.
+
+  For each offset d, a repeat at positions i and i + d is a run of `row[k] == row[k + d]`, so
+  the answer is the longest such run over all d (capped at d when overlaps are not allowed):
+  O(L^2) work per row of length L.
+
+  Args:
+    tokens: integer `[B, N]`.
+    lengths: integer `[B]`, each in [0, N]; tokens after a row's length are ignored.
+    overlapping: whether the two occurrences may overlap.
+
+  Returns:
+    int64 `[B]`, each in [0, lengths[b] - 1].
+
+  Examples:
+    >>> longest_repeated_span([[4, 4, 4, 4], [1, 2, 3, 0]], [4, 3]).tolist()
+    [3, 0]
+    >>> longest_repeated_span([[4, 4, 4, 4]], [4], overlapping=False).tolist()
+    [2]
+  """
+  tokens, lengths = _check_tokens(tokens, lengths)
+  if not isinstance(overlapping, bool):
+    raise ValueError(f"overlapping must be True or False; got {overlapping!r}")
+  out = np.zeros(len(lengths), np.int64)
+  for b, (row, length) in enumerate(zip(tokens, lengths)):
+    row = row[:length]
+    best = 0
+    for d in range(1, length):
+      if length - d <= best:  # a run at offset d is at most length - d long
+        break
+      run = _longest_run(row[:-d] == row[d:])
+      best = max(best, run if overlapping else min(run, d))
+    out[b] = best
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Model-based metrics (JAX): the model's raw logits at every generated step.
+
+
+def teacher_forced_logits(model, prompt_tokens, prompt_lengths, new_tokens) -> jax.Array:
+  """The model's raw logits at every generated step, by one full forward pass (teacher forcing).
+
+  The sequence `prompt + new_tokens` of every row goes through `jaxdecode.models.forward`;
+  `logits[b, t]` is the distribution the model gave the token `new_tokens[b, t]` (the column
+  before it). Tokens after a row's EOS (padding) only follow the row's real tokens, so by
+  causality they change none of its valid logits.
+
+  Args:
+    model: a `jaxdecode.models.Transformer`.
+    prompt_tokens: int32 `[B, T]` left-padded prompts (`jaxdecode.left_pad`).
+    prompt_lengths: int32 `[B]` real prompt tokens per row (1..T).
+    new_tokens: int32 `[B, N]` generated tokens (e.g. `Generation.tokens`); `T + N` must be at
+      most the model's `max_len`.
+
+  Returns:
+    float32 `[B, N, V]`.
+  """
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from jaxdecode.models.transformer import forward  # pylint: disable=import-outside-toplevel
+  batch, width = jnp.shape(prompt_tokens)
+  if jnp.ndim(new_tokens) != 2 or jnp.shape(new_tokens)[0] != batch:
+    raise ValueError(f"new_tokens must have shape ({batch}, N), one row per prompt; got "
+                     f"{jnp.shape(new_tokens)}")
+  steps = jnp.shape(new_tokens)[1]
+  graphdef, weights = nnx.split(model)
+  sequence = jnp.concatenate([jnp.asarray(prompt_tokens, jnp.int32),
+                              jnp.asarray(new_tokens, jnp.int32)], axis=1)  # [B, T + N]
+  logits = forward(graphdef, weights, sequence, jnp.asarray(prompt_lengths, jnp.int32) + steps)
+  return logits[:, width - 1:width - 1 + steps]  # [B, N, V]
+
+
+def _valid(lengths: jax.Array, steps: int) -> jax.Array:
+  """bool[B, N]: True at t < lengths[b]."""
+  return jnp.arange(steps, dtype=jnp.int32)[None, :] < lengths[:, None]
+
+
+@jax.jit
+def _token_log_likelihoods(logits, tokens, lengths):
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, N, V]
+  picked = jnp.take_along_axis(logp, tokens[:, :, None].astype(jnp.int32), axis=-1)[..., 0]
+  return jnp.where(_valid(lengths, tokens.shape[1]), picked, 0.0)  # [B, N]
+
+
+def token_log_likelihoods(logits, tokens, lengths) -> jax.Array:
+  """Each generated token's log-probability under the raw model distribution (teacher forcing).
+
+  `log softmax(logits[b, t])[tokens[b, t]]` in float32, whatever settings generated the
+  tokens: this asks how likely the model itself finds the text, not how likely the sampler was
+  to pick it.
+
+  Args:
+    logits: floating `[B, N, V]`, the model's raw logits at each generated step
+      (`teacher_forced_logits`).
+    tokens: integer `[B, N]` generated tokens, ids in [0, V).
+    lengths: integer `[B]`, each in [0, N]; steps at or after a row's length give 0.
+
+  Returns:
+    float32 `[B, N]`, <= 0 at valid steps (-inf for a token the model gives no mass).
+
+  Examples:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> logits = jnp.log(jnp.array([[[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]]))  # [1, 2, 3]
+    >>> ll = token_log_likelihoods(logits, jnp.array([[1, 2]]), jnp.array([1]))  # step 1 masked
+    >>> np.asarray(ll, np.float64).round(4).tolist()  # ln 0.25
+    [[-1.3863, 0.0]]
+  """
+  lengths = _check_logits(logits, tokens, lengths)
+  return _token_log_likelihoods(jnp.asarray(logits), jnp.asarray(tokens, jnp.int32), lengths)
+
+
+def mean_log_likelihood(logits, tokens, lengths, *, per_sequence: bool = False):
+  """The mean per-token log-likelihood (nats) of the generated tokens under the raw model.
+
+  Over the set: the sum of every valid token's log-likelihood divided by the number of valid
+  tokens. Per sequence: each row's mean over its own tokens. Higher (closer to 0) means text the
+  model finds more predictable.
+
+  Args:
+    logits: floating `[B, N, V]`, the model's raw logits at each generated step.
+    tokens: integer `[B, N]` generated tokens.
+    lengths: integer `[B]`, each in [0, N].
+    per_sequence: one value per row instead of one for the whole set.
+
+  Returns:
+    A float (NaN when no row has a token), or a float64 `[B]` array (NaN for empty rows).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> logits = jnp.log(jnp.array([[[0.5, 0.5], [0.25, 0.75]]]))  # (ln 0.5 + ln 0.75) / 2
+    >>> round(mean_log_likelihood(logits, jnp.array([[0, 1]]), jnp.array([2])), 4)
+    -0.4904
+  """
+  _check_per_sequence(per_sequence)
+  return masked_mean(token_log_likelihoods(logits, tokens, lengths), lengths,
+                     per_sequence=per_sequence)
+
+
+@functools.partial(jax.jit, static_argnames=("steps",))
+def _entropies(processed, lengths, *, steps: int):
+  logp = jax.nn.log_softmax(processed.astype(jnp.float32), axis=-1)  # [B * N, V]
+  # A removed (-inf) token has p = 0 and contributes 0, not 0 * -inf = NaN.
+  terms = jnp.where(logp > -jnp.inf, jnp.exp(logp) * logp, 0.0)
+  selectable = jnp.any(processed > -jnp.inf, axis=-1)  # NaN-free after process_logits
+  h = jnp.where(selectable, -jnp.sum(terms, axis=-1), jnp.nan)  # [B * N]
+  h = h.reshape(lengths.shape[0], steps)  # [B, N]
+  return jnp.where(_valid(lengths, steps), jnp.maximum(h, 0.0), 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("vocab",))
+def _step_counts(tokens, counts, *, vocab: int):
+  """The counts each step saw: `counts + counts of tokens[:, :t]`. int32[B, N, V]."""
+  seen = jax.nn.one_hot(tokens, vocab, dtype=jnp.int32)  # [B, N, V]
+  return counts[:, None, :] + jnp.cumsum(seen, axis=1) - seen
+
+
+def step_entropies(logits, params: SamplingParams, lengths, *, tokens=None,
+                   counts=None) -> jax.Array:
+  """Entropy (nats) of the *processed* distribution at every generated step.
+
+  The distribution the sampler drew from: `softmax(jaxdecode.process_logits(logits[:, t],
+  params))`. Removed tokens (-inf) contribute 0; temperature-0 rows are a point mass, entropy 0.
+  With a penalty, step t is processed with the token counts `decode` had there: `counts` plus
+  the counts of `tokens[:, :t]`.
+
+  Args:
+    logits: floating `[B, N, V]`, the model's raw logits at each generated step.
+    params: the `SamplingParams` that generated the rows (each row's values apply to all of its
+      steps); `min_new_tokens` must be 0 (it needs the EOS ids and the step).
+    lengths: integer `[B]`, each in [0, N]; steps at or after a row's length give 0.
+    tokens: integer `[B, N]`, the generated tokens; needed when `params` has a penalty.
+    counts: integer `[B, V]`, the counts `decode` started from (default: none, as in `decode`).
+
+  Returns:
+    float32 `[B, N]`, each in [0, ln V]. A step whose logits have nothing selectable (all -inf
+    or NaN) gives NaN.
+
+  Examples:
+    >>> import jax.numpy as jnp, numpy as np, jaxdecode
+    >>> logits = jnp.log(jnp.array([[[0.5, 0.25, 0.25]], [[0.5, 0.25, 0.25]]]))  # [2, 1, 3]
+    >>> params = jaxdecode.SamplingParams(temperature=jnp.array([0.0, 1.0]))
+    >>> h = step_entropies(logits, params, jnp.array([1, 1]))
+    >>> np.asarray(h, np.float64).round(4).tolist()  # greedy: 0; T = 1: 1.5 ln 2
+    [[0.0], [1.0397]]
+  """
+  lengths = _check_logits(logits, tokens, lengths)
+  if not isinstance(params, SamplingParams):
+    raise ValueError(f"params must be a jaxdecode.SamplingParams; got {type(params).__name__}")
+  batch, steps, vocab = jnp.shape(logits)
+  params = params.broadcast(batch, vocab)
+  mnt = np.asarray(params.min_new_tokens)
+  if mnt.max(initial=0) > 0:
+    raise ValueError(f"min_new_tokens={int(mnt.max())} is not supported by step_entropies (it "
+                     f"masks EOS at early steps, which needs the EOS ids); pass "
+                     f"params.replace(min_new_tokens=0)")
+  step_counts = None
+  if params.penalized():
+    if tokens is None:
+      raise ValueError("params has a penalty, which depends on the tokens each row has seen: "
+                       "pass tokens=[B, N], the generated tokens")
+    start = (jnp.zeros((batch, vocab), jnp.int32) if counts is None
+             else processors.check_counts(counts, batch, vocab))
+    step_counts = _step_counts(jnp.asarray(tokens, jnp.int32), start, vocab=vocab)
+    step_counts = step_counts.reshape(batch * steps, vocab)
+  # Row b's params for each of its N steps: [B, ...] -> [B * N, ...], the rows of
+  # logits.reshape(B * N, V).
+  flat_params = jax.tree.map(lambda v: jnp.repeat(v, steps, axis=0), params)
+  processed = processors.process_logits(jnp.reshape(logits, (batch * steps, vocab)), flat_params,
+                                        counts=step_counts)
+  return _entropies(processed, lengths, steps=steps)
+
+
+def mean_entropy(logits, params: SamplingParams, lengths, *, tokens=None, counts=None,
+                 per_sequence: bool = False):
+  """The mean entropy (nats) of the processed distribution per generated step.
+
+  Over the set: the sum of `step_entropies` over every valid step divided by the number of
+  valid steps. Per sequence: each row's mean over its own steps.
+
+  Args:
+    logits: floating `[B, N, V]`, the model's raw logits at each generated step.
+    params: the `SamplingParams` that generated the rows.
+    lengths: integer `[B]`, each in [0, N].
+    tokens: integer `[B, N]` generated tokens (needed with a penalty; see `step_entropies`).
+    counts: integer `[B, V]` the token counts `decode` started from (penalties only).
+    per_sequence: one value per row instead of one for the whole set.
+
+  Returns:
+    A float (NaN when no row has a step), or a float64 `[B]` array (NaN for empty rows).
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdecode
+    >>> logits = jnp.log(jnp.array([[[0.45, 0.45, 0.1]] * 2]))  # [1, 2, 3]
+    >>> params = jaxdecode.SamplingParams(top_k=2)  # keeps the two 0.45s: uniform over 2
+    >>> round(mean_entropy(logits, params, jnp.array([2])), 4)  # ln 2
+    0.6931
+  """
+  _check_per_sequence(per_sequence)
+  return masked_mean(step_entropies(logits, params, lengths, tokens=tokens, counts=counts),
+                     lengths, per_sequence=per_sequence)
