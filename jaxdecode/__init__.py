@@ -1,5 +1,6 @@
 """jaxdecode: exact, reproducible, jit-compiled decoding for JAX language models."""
 
+from jaxdecode import metrics
 from jaxdecode import processors
 from jaxdecode.decoding import DecodeOutput
 from jaxdecode.decoding import decode
@@ -22,6 +23,7 @@ __all__ = [
     "decode",
     "greedy",
     "left_pad",
+    "metrics",
     "process_logits",
     "processors",
     "prompt_mask",
