@@ -1,4 +1,4 @@
-"""The `jaxdecode` command: generate, eval, train, bench.
+"""The `jaxdecode` command: generate, eval, train, bench, sweep.
 
 A user's mistake (a bad flag, value or file) gets a one-line error and exit status 2, never a
 traceback.
@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--d-ff", type=_positive_int, default=1024)
   t.add_argument("--max-len", type=_positive_int, default=256)
   sub.add_parser("bench", help="the benchmark suite (see `jaxdecode bench --help`)")
+  from jaxdecode import sweep  # pylint: disable=import-outside-toplevel
+  sweep.add_arguments(sub.add_parser(
+      "sweep", help="degeneration metrics of 13 sampling settings: a CSV table and a plot",
+      description=sweep.__doc__.splitlines()[0]))
   return parser
 
 
@@ -162,7 +166,13 @@ def _eval(args) -> None:
   print(f"{nats:.4f} nats/byte ({nats / math.log(2):.4f} bits/byte) over {data.size} bytes")
 
 
+def _sweep(args) -> None:
+  from jaxdecode import sweep  # pylint: disable=import-outside-toplevel
+  sweep.run_command(args)
+
+
 COMMANDS = {"generate": _generate, "eval": _eval, "train": _train}
+COMMANDS["sweep"] = _sweep
 
 
 def _enable_compilation_cache() -> None:
