@@ -23,6 +23,7 @@ checked there; the processors sanitize them instead, as documented in `sanitized
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -236,11 +237,6 @@ def _convert_bias(value) -> tuple[jax.Array, jax.Array]:
   raise ValueError(f"logit_bias must be {_BIAS_FORMS}; got {value!r}")
 
 
-def _concrete_any(value, predicate) -> bool:
-  """True if `value` is concrete and `predicate` holds somewhere (tracers: False)."""
-  return _is_concrete(value) and bool(np.any(predicate(np.asarray(value))))
-
-
 # ---------------------------------------------------------------------------------------------
 
 
@@ -357,33 +353,35 @@ class SamplingParams:
     Raises:
       ValueError: if a per-row field's length is not `batch_size`, or a token id is out of range.
     """
-    out = {}
     for name in _NUMBER_NAMES:
-      value = getattr(self, name)
-      shape = jnp.shape(value)
+      shape = jnp.shape(getattr(self, name))
       if shape not in ((), (batch_size,)):
         raise ValueError(f"SamplingParams.{name} has shape {shape} but the batch has "
                          f"{batch_size} rows; expected a scalar or shape ({batch_size},)")
-      out[name] = jnp.broadcast_to(value, (batch_size,))
-
-    def rows(name, ids):
+    token_fields = {"logit_bias": self.logit_bias[0], "banned_token_ids": self.banned_token_ids,
+                    "allowed_token_ids": self.allowed_token_ids}
+    for name, ids in token_fields.items():
       if ids.ndim == 2 and ids.shape[0] != batch_size:
         raise ValueError(f"SamplingParams.{name} has one row of ids for each of {ids.shape[0]} "
                          f"rows (shape {ids.shape}) but the batch has {batch_size} rows")
-      if vocab_size is not None and _concrete_any(ids, lambda v: v >= vocab_size):
-        host = np.asarray(ids)
-        raise ValueError(f"SamplingParams.{name} has token id {int(host[host >= vocab_size][0])}, "
-                         f"outside the vocabulary of the logits [0, {vocab_size})")
-      return jnp.broadcast_to(ids, (batch_size, ids.shape[-1]))
+    host = self._host
+    if vocab_size is not None and host is not None:
+      for name in token_fields:
+        ids = np.asarray(host.logit_bias[0] if name == "logit_bias" else getattr(host, name))
+        if np.any(ids >= vocab_size):
+          raise ValueError(f"SamplingParams.{name} has token id "
+                           f"{int(ids[ids >= vocab_size][0])}, outside the vocabulary of the "
+                           f"logits [0, {vocab_size})")
+      _check_allowed_not_all_banned(host.banned_token_ids, host.allowed_token_ids)
+    # One jitted call instead of one dispatch per field: this runs on every sampler call.
+    return _broadcast_leaves(self, batch_size)
 
-    ids, biases = self.logit_bias
-    out["logit_bias"] = (rows("logit_bias", ids), jnp.broadcast_to(biases, (batch_size,
-                                                                            ids.shape[-1])))
-    out["banned_token_ids"] = rows("banned_token_ids", self.banned_token_ids)
-    out["allowed_token_ids"] = rows("allowed_token_ids", self.allowed_token_ids)
-    if vocab_size is not None:
-      _check_allowed_not_all_banned(out["banned_token_ids"], out["allowed_token_ids"])
-    return self._with(**out)
+  @functools.cached_property
+  def _host(self) -> "SamplingParams | None":
+    """A numpy copy of every leaf (one transfer, cached on this object); None when traced."""
+    if not all(_is_concrete(leaf) for leaf in jax.tree.leaves(self)):
+      return None
+    return jax.device_get(self)
 
   def sanitized(self) -> "SamplingParams":
     """Maps any value, valid or not, onto the allowed ranges; valid values are unchanged.
@@ -427,18 +425,37 @@ class SamplingParams:
 
   def penalized(self) -> bool:
     """True if a concrete penalty is active on some row (the call then needs token counts)."""
-    off = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-    return any(_concrete_any(getattr(self, n), lambda v, o=o: v != o) for n, o in off.items())
+    host = self._host
+    return host is not None and bool(np.any(host.repetition_penalty != 1) or
+                                     np.any(host.presence_penalty != 0) or
+                                     np.any(host.frequency_penalty != 0))
+
+  def min_new_tokens_set(self) -> int:
+    """The largest concrete `min_new_tokens` (0 when none is set or the values are traced)."""
+    host = self._host
+    return 0 if host is None else int(np.max(host.min_new_tokens))
 
 
-def _check_allowed_not_all_banned(banned: jax.Array, allowed: jax.Array) -> None:
-  """Raises ValueError if a row allows some tokens and bans every one of them (concrete only)."""
-  if not (_is_concrete(banned) and _is_concrete(allowed)):
-    return
-  banned, allowed = np.asarray(banned), np.asarray(allowed)
+@functools.partial(jax.jit, static_argnums=1)
+def _broadcast_leaves(params: SamplingParams, batch: int) -> SamplingParams:
+  def rows(v):  # a token field: [K] or [B, K] -> [B, K]
+    return jnp.broadcast_to(v, (batch, v.shape[-1]))
+  number = {n: jnp.broadcast_to(getattr(params, n), (batch,)) for n in _NUMBER_NAMES}
+  ids, biases = params.logit_bias
+  return params._with(**number, logit_bias=(rows(ids), rows(biases)),  # pylint: disable=protected-access
+                      banned_token_ids=rows(params.banned_token_ids),
+                      allowed_token_ids=rows(params.allowed_token_ids))
+
+
+def _check_allowed_not_all_banned(banned: np.ndarray, allowed: np.ndarray) -> None:
+  """Raises ValueError if a row allows some tokens and bans every one of them (host arrays)."""
   if not (np.any(banned >= 0) and np.any(allowed >= 0)):
     return
-  for b in range(allowed.shape[0]):
+  rows = max(banned.shape[0] if banned.ndim == 2 else 1, allowed.shape[0] if allowed.ndim == 2
+             else 1)
+  banned = np.broadcast_to(banned, (rows, banned.shape[-1]))
+  allowed = np.broadcast_to(allowed, (rows, allowed.shape[-1]))
+  for b in range(rows):
     ok = set(allowed[b][allowed[b] >= 0].tolist())
     if ok and ok <= set(banned[b].tolist()):
       raise ValueError(f"row {b} bans every token it allows ({sorted(ok)}): nothing could be "

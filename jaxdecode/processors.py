@@ -107,18 +107,17 @@ def check_call(logits, params, counts, *, caller: str):
   batch, vocab = check_logits(logits)
   if not isinstance(params, SamplingParams):
     raise ValueError(f"params must be a jaxdecode.SamplingParams; got {type(params).__name__}")
-  params = params.broadcast(batch, vocab)
+  broadcast = params.broadcast(batch, vocab)
   if counts is not None:
     counts = check_counts(counts, batch, vocab)
   elif params.penalized():
     raise ValueError(f"repetition_penalty, presence_penalty and frequency_penalty act on the "
                      f"tokens each row has seen: pass counts=[B, V] to {caller} (see "
                      f"jaxdecode.token_counts), or use jaxdecode.decode, which carries them")
-  mnt = params.min_new_tokens
-  if not isinstance(mnt, jax.core.Tracer) and np.any(np.asarray(mnt) > 0):
-    raise ValueError(f"min_new_tokens={np.asarray(mnt).max()} needs the EOS ids and the step, "
-                     f"which {caller} does not have; it applies in jaxdecode.decode")
-  return params, counts
+  if params.min_new_tokens_set():
+    raise ValueError(f"min_new_tokens={params.min_new_tokens_set()} needs the EOS ids and the "
+                     f"step, which {caller} does not have; it applies in jaxdecode.decode")
+  return broadcast, counts
 
 
 def token_counts(tokens, vocab_size: int, mask=None) -> jax.Array:
