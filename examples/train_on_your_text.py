@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 
 import jax
@@ -162,5 +163,7 @@ if __name__ == "__main__":
   parser.add_argument("--max-new-tokens", type=int, default=None)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
+  if args.text is not None and not os.path.isfile(args.text):
+    parser.error(f"--text {args.text!r}: no such file")
   main(args.text, quick=args.quick, steps=args.steps, out=args.out, prompt=args.prompt,
        max_new_tokens=args.max_new_tokens, seed=args.seed)
