@@ -11,6 +11,7 @@ next-token cross-entropy in nats per byte (the target tokens are bytes, plus the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -167,14 +168,14 @@ def make_train_step(graphdef, optimizer):
   return train_step
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program per model structure, not per call
+def _batch_loss(graphdef, weights, inputs, targets):
+  return loss_and_count(nnx.merge(graphdef, weights), inputs, targets)
+
+
 def evaluate(graphdef, weights, stream: np.ndarray, seq_len: int, batch_size: int = 16) -> float:
   """Mean cross-entropy of the model on `stream`, in nats per token (byte)."""
   inputs, targets = windows(stream, seq_len)
-
-  @jax.jit
-  def batch_loss(weights, inputs, targets):
-    return loss_and_count(nnx.merge(graphdef, weights), inputs, targets)
-
   total, count = 0.0, 0
   for i in range(0, len(inputs), batch_size):
     x, y = inputs[i:i + batch_size], targets[i:i + batch_size]
@@ -182,7 +183,7 @@ def evaluate(graphdef, weights, stream: np.ndarray, seq_len: int, batch_size: in
       pad = batch_size - len(x)
       x = np.concatenate([x, np.full((pad, seq_len), TOKENIZER.PAD, np.int32)])
       y = np.concatenate([y, np.full((pad, seq_len), -1, np.int32)])
-    s, c = batch_loss(weights, jnp.asarray(x), jnp.asarray(y))
+    s, c = _batch_loss(graphdef, weights, jnp.asarray(x), jnp.asarray(y))
     total, count = total + float(s), count + int(c)
   return total / max(count, 1)
 
@@ -213,6 +214,7 @@ def train(model_config: TransformerConfig, cfg: TrainConfig, *, corpus: str | No
   step_fn = make_train_step(graphdef, optimizer)
   batches = random_batches(train_stream, cfg.batch_size, cfg.seq_len, cfg.seed)
   history = []
+  best, best_val = None, math.inf
   started = time.perf_counter()
   loss = float("nan")
   for step in range(1, cfg.steps + 1):
@@ -225,11 +227,14 @@ def train(model_config: TransformerConfig, cfg: TrainConfig, *, corpus: str | No
       val = evaluate(graphdef, weights, val_stream, cfg.seq_len)
       history.append({"step": step, "train_loss": float(loss), "val_loss": val})
       log.write(f"\n  step {step}: train {float(loss):.4f}  validation {val:.4f} nats/byte\n")
-      if val <= min(h["val_loss"] for h in history):  # keep the best weights, not the last
-        best = weights
+      if val <= best_val:  # keep the best weights, not the last (a NaN loss is never best)
+        best, best_val = weights, val
   summary = _metadata(cfg, corpus, history, train_stream, val_stream)
   summary["seconds"] = time.perf_counter() - started
   if out:
+    if best is None:
+      raise ValueError(f"training diverged: the validation loss was never finite "
+                       f"({[h['val_loss'] for h in history]}); lower --lr and train again")
     save_checkpoint(out, model_config, best, metadata=summary)
   return summary
 
@@ -238,4 +243,5 @@ def _metadata(cfg, corpus, history, train_stream, val_stream) -> dict:
   return {"train": dataclasses.asdict(cfg), "corpus": corpus or "pydoc_data.topics",
           "python": sys.version.split()[0], "train_tokens": int(len(train_stream)),
           "val_tokens": int(len(val_stream)), "history": history,
-          "val_loss": min(h["val_loss"] for h in history) if history else None}
+          "val_loss": min((h["val_loss"] for h in history if math.isfinite(h["val_loss"])),
+                          default=None)}

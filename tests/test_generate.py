@@ -157,6 +157,20 @@ def test_training_lowers_the_loss_on_a_repetitive_corpus(tmp_path):
   assert metadata["val_loss"] == best and model.config == small
 
 
+def test_training_that_never_reaches_a_finite_loss_raises_instead_of_saving(tmp_path,
+                                                                             monkeypatch):
+  corpus = tmp_path / "c.txt"
+  corpus.write_text("abcabcabd " * 400)
+  monkeypatch.setattr(training, "evaluate", lambda *args, **kwargs: float("nan"))
+  small = TransformerConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=16)
+  cfg = training.TrainConfig(steps=2, batch_size=2, seq_len=16, warmup_steps=0, eval_every=1)
+  with pytest.raises(ValueError, match=r"training diverged: the validation loss was never "
+                                       r"finite \(\[nan, nan\]\)"):
+    training.train(small, cfg, corpus=str(corpus), out=str(tmp_path / "m.msgpack"),
+                   log=io.StringIO())
+  assert not (tmp_path / "m.msgpack").exists()
+
+
 def run_cli(capsys, *argv):
   code = cli.main(list(argv))
   out = capsys.readouterr()
