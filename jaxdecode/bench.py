@@ -57,6 +57,7 @@ import numpy as np
 from flax import nnx
 
 import jaxdecode
+from jaxdecode._args import OneLineParser
 from jaxdecode.decoding import bucket_length
 from jaxdecode.models import Transformer, TransformerConfig, load_default, make_step_fn, prefill
 from jaxdecode.params import SamplingParams
@@ -668,13 +669,6 @@ def format_table(result: Mapping) -> str:
 # Command line.
 
 
-class _Parser(argparse.ArgumentParser):
-  """argparse that reports a bad command line in one line (exit status 2)."""
-
-  def error(self, message):
-    self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def _runs(text: str) -> int:
   try:
     value = int(text)
@@ -687,7 +681,7 @@ def _runs(text: str) -> int:
 
 
 def build_parser(prog: str = "python -m jaxdecode.bench") -> argparse.ArgumentParser:
-  parser = _Parser(prog=prog, description=__doc__.splitlines()[0])
+  parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help=f"smaller grid (B=8, V in 32000/128256; 32 new tokens), {QUICK_RUNS} "
                            f"runs by default: 1-3 minutes (the default run: about 14)")

@@ -9,61 +9,32 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-class _Parser(argparse.ArgumentParser):
-  """argparse that reports a bad command line in one line."""
-
-  def error(self, message):
-    self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-  return value
-
-
-def _number(text: str) -> float:
-  try:
-    return float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-
-
-def _integer(text: str) -> int:
-  try:
-    return int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+from jaxdecode._args import OneLineParser, integer, number, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = _Parser(prog="jaxdecode", description=__doc__.splitlines()[0])
-  sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+  parser = OneLineParser(prog="jaxdecode", description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
   g = sub.add_parser("generate", help="continue text prompts with the embedded model")
   g.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
-  g.add_argument("--temperature", type=_number, default=0.8)
-  g.add_argument("--top-k", type=_integer, default=0)
-  g.add_argument("--top-p", type=_number, default=0.95)
-  g.add_argument("--min-p", type=_number, default=0.0)
-  g.add_argument("--typical-p", type=_number, default=1.0)
-  g.add_argument("--epsilon-cutoff", type=_number, default=0.0)
-  g.add_argument("--eta-cutoff", type=_number, default=0.0)
-  g.add_argument("--repetition-penalty", type=_number, default=1.0,
+  g.add_argument("--temperature", type=number, default=0.8)
+  g.add_argument("--top-k", type=integer, default=0)
+  g.add_argument("--top-p", type=number, default=0.95)
+  g.add_argument("--min-p", type=number, default=0.0)
+  g.add_argument("--typical-p", type=number, default=1.0)
+  g.add_argument("--epsilon-cutoff", type=number, default=0.0)
+  g.add_argument("--eta-cutoff", type=number, default=0.0)
+  g.add_argument("--repetition-penalty", type=number, default=1.0,
                  help="HF's rule: > 1 discourages tokens already seen")
-  g.add_argument("--presence-penalty", type=_number, default=0.0)
-  g.add_argument("--frequency-penalty", type=_number, default=0.0)
+  g.add_argument("--presence-penalty", type=number, default=0.0)
+  g.add_argument("--frequency-penalty", type=number, default=0.0)
   g.add_argument("--penalize-prompt", action="store_true",
                  help="count the prompt's tokens for the penalties (default: only new tokens)")
-  g.add_argument("--min-new-tokens", type=_integer, default=0,
+  g.add_argument("--min-new-tokens", type=integer, default=0,
                  help="no end of text before this many new tokens")
-  g.add_argument("--seed", type=_integer, default=0)
-  g.add_argument("--max-new-tokens", type=_positive_int, default=160)
+  g.add_argument("--seed", type=integer, default=0)
+  g.add_argument("--max-new-tokens", type=positive_int, default=160)
   g.add_argument("--greedy", action="store_true", help="temperature 0 (overrides --temperature)")
   g.add_argument("--model", default=None, help="a checkpoint from `jaxdecode train` "
                                                "(default: the embedded model)")
@@ -76,18 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--corpus", default=None,
                  help="a UTF-8 text file (default: CPython's bundled pydoc_data.topics)")
   t.add_argument("--out", default="jaxdecode_model.msgpack", help="checkpoint path")
-  t.add_argument("--steps", type=_positive_int, default=1200)
-  t.add_argument("--batch-size", type=_positive_int, default=16)
-  t.add_argument("--seq-len", type=_positive_int, default=256)
-  t.add_argument("--lr", type=_number, default=2e-3)
-  t.add_argument("--warmup-steps", type=_integer, default=100)
-  t.add_argument("--eval-every", type=_positive_int, default=100)
-  t.add_argument("--seed", type=_integer, default=0)
-  t.add_argument("--d-model", type=_positive_int, default=256)
-  t.add_argument("--layers", type=_positive_int, default=4)
-  t.add_argument("--heads", type=_positive_int, default=4)
-  t.add_argument("--d-ff", type=_positive_int, default=1024)
-  t.add_argument("--max-len", type=_positive_int, default=256)
+  t.add_argument("--steps", type=positive_int, default=1200)
+  t.add_argument("--batch-size", type=positive_int, default=16)
+  t.add_argument("--seq-len", type=positive_int, default=256)
+  t.add_argument("--lr", type=number, default=2e-3)
+  t.add_argument("--warmup-steps", type=integer, default=100)
+  t.add_argument("--eval-every", type=positive_int, default=100)
+  t.add_argument("--seed", type=integer, default=0)
+  t.add_argument("--d-model", type=positive_int, default=256)
+  t.add_argument("--layers", type=positive_int, default=4)
+  t.add_argument("--heads", type=positive_int, default=4)
+  t.add_argument("--d-ff", type=positive_int, default=1024)
+  t.add_argument("--max-len", type=positive_int, default=256)
   sub.add_parser("bench", help="the benchmark suite (see `jaxdecode bench --help`)")
   from jaxdecode import sweep  # pylint: disable=import-outside-toplevel
   sweep.add_arguments(sub.add_parser(

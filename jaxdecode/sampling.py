@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxdecode import processors
 from jaxdecode.params import SamplingParams

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode import metrics
+from jaxdecode._args import OneLineParser, non_negative_int
 from jaxdecode.params import SamplingParams
 
 
@@ -399,24 +400,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--quick", action="store_true",
                       help=f"{len(QUICK_PROMPTS)} prompts x {QUICK_MAX_NEW_TOKENS} tokens instead "
                            f"of {len(PROMPTS)} x {MAX_NEW_TOKENS} (well under a minute)")
-  parser.add_argument("--seed", type=_seed, default=0, help="prompt i uses fold_in(key(seed), i)")
-
-
-def _seed(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-  return value
-
-
-class _Parser(argparse.ArgumentParser):
-  """argparse that reports a bad command line in one line."""
-
-  def error(self, message):
-    self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+  parser.add_argument("--seed", type=non_negative_int, default=0, help="prompt i uses fold_in(key(seed), i)")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -432,7 +416,7 @@ def run_command(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jaxdecode.sweep") -> int:
   """The command line; returns the exit status (2 with one error line for a user mistake)."""
   argv = sys.argv[1:] if argv is None else list(argv)
-  parser = _Parser(prog=prog, description=__doc__.splitlines()[0])
+  parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
   add_arguments(parser)
   try:
     args = parser.parse_args(argv)
