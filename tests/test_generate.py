@@ -117,6 +117,16 @@ def test_checkpoint_round_trip_stores_float16_weights(tiny, tmp_path):
     load_checkpoint(str(tmp_path / "missing.msgpack"))
 
 
+def test_checkpoints_have_only_string_map_keys_so_older_flax_can_read_them(tiny):
+  import msgpack  # pylint: disable=import-outside-toplevel
+  from jaxdecode.models import checkpoint  # pylint: disable=import-outside-toplevel
+  _, path = tiny
+  for file in (path, checkpoint.DEFAULT_PATH):
+    with open(file, "rb") as f:  # strict_map_key=True (msgpack's default) refuses int keys
+      blob = msgpack.unpackb(f.read(), raw=False, ext_hook=lambda code, data: code)
+    assert "0" in blob["weights"]["blocks"], sorted(blob["weights"])
+
+
 def test_eval_windows_cover_every_token_exactly_once():
   stream = np.arange(10, dtype=np.int32)
   inputs, targets = training.windows(stream, 4)

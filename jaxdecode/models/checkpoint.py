@@ -22,9 +22,26 @@ from jaxdecode.models.transformer import Transformer, TransformerConfig
 DEFAULT_PATH = os.path.join(os.path.dirname(__file__), "default.msgpack")
 
 
+def _keys_to_str(tree):
+  """Integer dict keys (the indices of `nnx.List` layers) as strings: msgpack readers before
+  flax 0.12.8 refuse integer map keys."""
+  if isinstance(tree, dict):
+    return {str(k): _keys_to_str(v) for k, v in tree.items()}
+  return tree
+
+
+def _keys_from_str(tree):
+  """The inverse of `_keys_to_str`: digit-string keys back to integers."""
+  if isinstance(tree, dict):
+    return {int(k) if isinstance(k, str) and k.isdigit() else k: _keys_from_str(v)
+            for k, v in tree.items()}
+  return tree
+
+
 def save_checkpoint(path: str, config: TransformerConfig, weights, *, metadata=None) -> None:
   """Writes `config`, `weights` (an `nnx.State`, stored as float16) and JSON `metadata`."""
-  pure = jax.tree.map(lambda a: np.asarray(a, np.float16), nnx.to_pure_dict(weights))
+  pure = _keys_to_str(jax.tree.map(lambda a: np.asarray(a, np.float16),
+                                   nnx.to_pure_dict(weights)))
   blob = {"config": json.dumps(dataclasses.asdict(config)),
           "metadata": json.dumps(metadata or {}), "weights": pure}
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -45,7 +62,8 @@ def load_checkpoint(path: str):
       blob = serialization.msgpack_restore(f.read())
       config = TransformerConfig(**json.loads(blob["config"]))
       metadata = json.loads(blob["metadata"])
-      restored = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), blob["weights"])
+      restored = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32),
+                              _keys_from_str(blob["weights"]))
     except Exception as e:  # msgpack, JSON or layout errors all mean "not our file"
       raise ValueError(f"{path!r} is not a jaxdecode checkpoint ({type(e).__name__}: {e})") from e
   graphdef, weights = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
