@@ -20,14 +20,16 @@ Tables:
    temperature 0.8 + top-k 50 + top-p 0.9 + min-p 0.05), a sort-based exact top-p reference
    (`sort_top_p_sample`) and, when `transformers` is installed, its Flax top-p warper, each as
    time / argmax time; plus the speedups of jaxdecode's top-p over the two sort-based ones.
+   The controls (`CONTROL_PARAMS`: penalties with token counts, logit bias + banned tokens,
+   allowed tokens, typical-p, epsilon, eta) are timed in the same round robin and printed as a
+   second table.
 2. Decode. `jaxdecode.decode` of 64 new tokens for a batch of 8 prompts (no EOS) with top-p 0.9
    versus greedy, for the embedded default model and a random-weights model with a 32000-token
    vocabulary; the first call (compilation included) versus a later one; and a decode whose rows
    all hit EOS at once versus the same decode without EOS.
 
-Duration on 2 CPU cores (AMD EPYC) while a training job shared them: `--quick --no-decode` about
-1 minute, `--quick` about 2-3, the default run about 14 (kernels 9, decode 5); less on idle
-cores. It scales with the samplers' own speed. The sort-based peers are slow at large sizes, so by
+Duration on 2 idle CPU cores (AMD EPYC): `--quick` about 2 minutes, the default run about 8
+(kernels 7, decode 1); up to twice that when the cores are shared. It scales with the samplers' own speed. The sort-based peers are slow at large sizes, so by
 default they are timed only where B*V <= `PEER_MAX_ELEMENTS` (B <= 8, and B = 64 with V = 32000);
 `--all-peers` times them everywhere (about 20-30 more minutes).
 
