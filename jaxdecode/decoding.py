@@ -145,9 +145,6 @@ def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, cou
                      state, batch, vocab)
   is_eos = jnp.zeros(vocab, bool).at[eos_ids].set(True, mode="drop")  # [V]
   rows = jnp.arange(batch)
-  # Token counts for the penalties, always carried so that turning a penalty on never
-  # recompiles (an in-place update of B entries per step; read only when a penalty is set).
-  counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
 
   def select(t, logits, done, counts):
     """Samples step t for every row; finished rows get pad_id and log-probability 0."""
@@ -264,8 +261,11 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
     raise ValueError(f"params must be a jaxdecode.SamplingParams; got {type(params).__name__}")
   params = params.broadcast(batch, vocab)
   sampling.check_key(key, batch)
-  if counts is not None:
-    counts = processors.check_counts(counts, batch, vocab)
+  # Token counts for the penalties, always carried (zeros by default) so that neither turning a
+  # penalty on nor passing counts recompiles: an in-place update of B entries per step, read
+  # only when a penalty is set.
+  counts = (jnp.zeros((batch, vocab), jnp.int32) if counts is None else
+            processors.check_counts(counts, batch, vocab))
   if jnp.shape(positions) != (batch,) or not jnp.issubdtype(jnp.result_type(positions),
                                                              jnp.integer):
     raise ValueError(f"positions must be an integer array of shape ({batch},), one per row of "
