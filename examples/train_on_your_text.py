@@ -1,11 +1,11 @@
 """Train the small transformer on your own text, save it, reload it and generate from it.
 
-Uses `jaxdecode.training`'s pieces (corpus encoding, held-out split, AdamW with warmup + cosine
-schedule and clipping, the jitted train step, evaluation) in a loop of its own, so that the
-trained weights stay in hand: the script checks that the checkpoint it wrote and reloaded with
-`jaxdecode.models.load_checkpoint` gives the same logits as the model it trained. Checkpoints
-store weights as float16, so the reload equals the trained model with its weights rounded to
-float16 exactly, and the float32 model up to that rounding (both are printed).
+Uses `jaxdecode.models.training.train` (held-out split, AdamW with warmup + cosine schedule and
+clipping, held-out loss during training, the best weights kept), which returns the trained
+model, then checks that the checkpoint it wrote and reloaded with
+`jaxdecode.models.load_checkpoint` gives the same logits as that model. Checkpoints store
+weights as float16, so the reload equals the trained model with its weights rounded to float16
+exactly, and the float32 model up to that rounding (both are printed).
 
 The default text is a few KB of the Python documentation (the compound-statement topics of
 CPython's bundled `pydoc_data.topics`, no download); `--text FILE` takes any UTF-8 text file.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import time
 
 import jax
@@ -30,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 import jaxdecode
-from jaxdecode import training
+from jaxdecode.models import training
 from jaxdecode.models import (ByteTokenizer, Transformer, TransformerConfig, forward, generate,
                               load_checkpoint, save_checkpoint)
 
@@ -39,7 +40,7 @@ DEFAULT_TOPICS = ("if", "while", "for", "try", "with", "function", "class", "lam
 
 QUICK = dict(model=TransformerConfig(d_model=64, n_layers=2, n_heads=2, d_ff=128, max_len=128),
              train=training.TrainConfig(steps=60, batch_size=8, seq_len=64, peak_lr=3e-3,
-                                        warmup_steps=5, eval_every=60))
+                                        warmup_steps=5, eval_every=20))
 FULL = dict(model=TransformerConfig(d_model=128, n_layers=3, n_heads=4, d_ff=512, max_len=256),
             train=training.TrainConfig(steps=400, batch_size=16, seq_len=128, peak_lr=2e-3,
                                        warmup_steps=40, eval_every=100))
@@ -49,32 +50,6 @@ def default_text_stream() -> np.ndarray:
   """The token stream of DEFAULT_TOPICS from pydoc_data.topics, an EOS after each topic."""
   from pydoc_data import topics  # pylint: disable=import-outside-toplevel
   return training.encode_documents([topics.topics[name] for name in DEFAULT_TOPICS])
-
-
-def train_loop(graphdef, weights, cfg: training.TrainConfig, train_stream: np.ndarray,
-               val_stream: np.ndarray, log_every: int):
-  """Trains `weights` for `cfg.steps` steps; returns `(weights, [(step, train loss)])`.
-
-  Prints the training loss every `log_every` steps and the held-out loss every
-  `cfg.eval_every` steps before the last (a small text is soon memorized: the held-out loss
-  then stops falling while the training loss still does).
-  """
-  optimizer = training.make_optimizer(cfg)
-  opt_state = optimizer.init(weights)
-  train_step = training.make_train_step(graphdef, optimizer)
-  batches = training.random_batches(train_stream, cfg.batch_size, cfg.seq_len, cfg.seed)
-  history = []
-  for step in range(1, cfg.steps + 1):
-    inputs, targets = next(batches)  # int32[B, L] each
-    weights, opt_state, loss = train_step(weights, opt_state, jnp.asarray(inputs),
-                                          jnp.asarray(targets))
-    if step == 1 or step % log_every == 0 or step == cfg.steps:
-      history.append((step, float(loss)))
-      print(f"  step {step:>4}/{cfg.steps}  train loss {float(loss):.3f} nats/byte", flush=True)
-    if step % cfg.eval_every == 0 and step < cfg.steps:
-      val = training.evaluate(graphdef, weights, val_stream, cfg.seq_len)
-      print(f"  step {step:>4}/{cfg.steps}  held-out loss {val:.3f} nats/byte", flush=True)
-  return weights, history
 
 
 def main(text: str | None = None, *, quick: bool = False, steps: int | None = None,
@@ -93,7 +68,8 @@ def main(text: str | None = None, *, quick: bool = False, steps: int | None = No
 
   Returns:
     A dict: `val_loss_before`, `val_loss_after` (nats/byte on the held-out text), `history`
-    (step, train loss), `reload_equals_float16` (bool), `reload_max_diff_float32`, `texts`.
+    (the training summary's: step, train and held-out loss), `reload_equals_float16` (bool),
+    `reload_max_diff_float32`, `texts`.
   """
   setup = QUICK if quick else FULL
   model_config = setup["model"]
@@ -109,14 +85,16 @@ def main(text: str | None = None, *, quick: bool = False, steps: int | None = No
         f"{cfg.batch_size} x {cfg.seq_len} bytes")
 
   started = time.perf_counter()
-  graphdef, weights = nnx.split(Transformer(model_config, rngs=nnx.Rngs(cfg.seed)))
-  before = training.evaluate(graphdef, weights, val_stream, cfg.seq_len)
+  initial = Transformer(model_config, rngs=nnx.Rngs(cfg.seed))  # what train() starts from
+  before = training.evaluate(*nnx.split(initial), val_stream, cfg.seq_len)
   print(f"held-out loss before training: {before:.3f} nats/byte (uniform over 259 ids: "
         f"{np.log(259):.3f})")
-  weights, history = train_loop(graphdef, weights, cfg, train_stream, val_stream,
-                                log_every=max(1, cfg.steps // 8))
+  # train() splits the stream the same way, reports the held-out loss every eval_every steps
+  # and returns the model with the best held-out loss.
+  trained, summary = training.train(model_config, cfg, corpus=stream, log=sys.stdout)
+  graphdef, weights = nnx.split(trained)
   after = training.evaluate(graphdef, weights, val_stream, cfg.seq_len)
-  print(f"held-out loss after training:  {after:.3f} nats/byte "
+  print(f"\nheld-out loss after training:  {after:.3f} nats/byte "
         f"({after / np.log(2):.2f} bits/byte); {time.perf_counter() - started:.1f} s")
 
   save_checkpoint(out, model_config, weights,
@@ -148,7 +126,7 @@ def main(text: str | None = None, *, quick: bool = False, steps: int | None = No
   if not (after < before and exact):
     raise SystemExit(f"training did not lower the loss ({before:.3f} -> {after:.3f}) or the "
                      f"checkpoint did not reload exactly ({exact})")
-  return {"val_loss_before": before, "val_loss_after": after, "history": history,
+  return {"val_loss_before": before, "val_loss_after": after, "history": summary["history"],
           "reload_equals_float16": exact, "reload_max_diff_float32": diff, "texts": texts}
 
 

@@ -1,23 +1,30 @@
-"""jaxdecode: exact, reproducible, jit-compiled decoding for JAX language models."""
+"""jaxdecode: exact, reproducible, jit-compiled decoding for JAX language models.
+
+The core (this package's modules) is pure JAX and imports nothing above it; the embedded model
+lives in `jaxdecode.models`, the command and its tools in `jaxdecode.tools`.
+"""
 
 from jaxdecode import metrics
 from jaxdecode import processors
 from jaxdecode.decoding import DecodeOutput
 from jaxdecode.decoding import decode
-from jaxdecode.decoding import left_pad
-from jaxdecode.decoding import prompt_mask
-from jaxdecode.decoding import prompt_positions
+from jaxdecode.loop import DecodeContext
 from jaxdecode.params import SamplingParams
 from jaxdecode.processors import process_logits
 from jaxdecode.processors import token_counts
+from jaxdecode.prompts import left_pad
+from jaxdecode.prompts import prompt_mask
+from jaxdecode.prompts import prompt_positions
+from jaxdecode.prompts import right_pad
 from jaxdecode.sampling import greedy
 from jaxdecode.sampling import sample
 from jaxdecode.sampling import sample_with_logprobs
 from jaxdecode.sampling import selectable
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
+    "DecodeContext",
     "DecodeOutput",
     "SamplingParams",
     "decode",
@@ -28,6 +35,7 @@ __all__ = [
     "processors",
     "prompt_mask",
     "prompt_positions",
+    "right_pad",
     "sample",
     "sample_with_logprobs",
     "selectable",

@@ -14,9 +14,9 @@ A ratio with nothing to count (a row shorter than n, a set with no tokens) is Na
 is undefined, not perfect or terrible.
 
 The n-gram metrics (`distinct_n`, `repetition_rate`, `longest_repeated_span`) are numpy. The
-model-based ones (`token_log_likelihoods`, `mean_log_likelihood`, `step_entropies`,
-`mean_entropy`) take JAX arrays: the model's raw logits at every generated step, e.g. from
-`teacher_forced_logits`.
+likelihood and entropy ones (`token_log_likelihoods`, `mean_log_likelihood`, `step_entropies`,
+`mean_entropy`) take JAX arrays: any model's raw logits at every generated step (for the
+embedded transformer, `jaxdecode.models.teacher_forced_logits` computes them).
 
 Example:
   >>> import numpy as np
@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode import _checks
 from jaxdecode import processors
 from jaxdecode.params import SamplingParams
 
@@ -62,12 +63,6 @@ def _check_tokens(tokens, lengths) -> tuple[np.ndarray, np.ndarray]:
   return host.astype(np.int64), lens.astype(np.int64)
 
 
-def _check_n(n) -> int:
-  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-    raise ValueError(f"n must be an integer >= 1; got {n!r}")
-  return int(n)
-
-
 def _check_logits(logits, tokens, lengths):
   """Checks float `[B, N, V]` logits against `[B, N]` tokens in [0, V) and `[B]` lengths."""
   shape = jnp.shape(logits)
@@ -86,11 +81,6 @@ def _check_logits(logits, tokens, lengths):
                        f"got: min {host.min()} / max {host.max()}")
   _, lens = _check_tokens(np.zeros(shape[:2], np.int32), lengths)
   return jnp.asarray(lens, jnp.int32)
-
-
-def _check_per_sequence(per_sequence) -> None:
-  if not isinstance(per_sequence, bool):
-    raise ValueError(f"per_sequence must be True or False; got {per_sequence!r}")
 
 
 def _ratio(numerator, denominator):
@@ -128,7 +118,7 @@ def masked_mean(values, lengths, *, per_sequence: bool = False):
     >>> masked_mean([[1.0, 3.0, 99.0], [5.0, 99.0, 99.0]], [2, 1], per_sequence=True).tolist()
     [2.0, 5.0]
   """
-  _check_per_sequence(per_sequence)
+  _checks.boolean("per_sequence", per_sequence)
   values = np.asarray(values, np.float64)
   if values.ndim != 2:
     raise ValueError(f"values must be an array [B, N]; got shape {values.shape}")
@@ -165,7 +155,7 @@ def ngram_counts(tokens, lengths, n: int) -> tuple[np.ndarray, np.ndarray]:
     ([3], [1])
   """
   tokens, lengths = _check_tokens(tokens, lengths)
-  n = _check_n(n)
+  n = _checks.integer("n", n, low=1)
   total = np.zeros(len(lengths), np.int64)
   distinct = np.zeros(len(lengths), np.int64)
   for b, (row, length) in enumerate(zip(tokens, lengths)):
@@ -199,8 +189,8 @@ def distinct_n(tokens, lengths, n: int, *, per_sequence: bool = False):
     [1.0, 1.0]
   """
   tokens, lengths = _check_tokens(tokens, lengths)
-  n = _check_n(n)
-  _check_per_sequence(per_sequence)
+  n = _checks.integer("n", n, low=1)
+  _checks.boolean("per_sequence", per_sequence)
   total, distinct = ngram_counts(tokens, lengths, n)
   if per_sequence:
     return _ratio(distinct, total)
@@ -233,7 +223,7 @@ def repetition_rate(tokens, lengths, n: int, *, per_sequence: bool = False):
     >>> repetition_rate([[7, 7, 7, 7, 8]], [5], 2)  # 77 77 77 78: two repeats of 4 bigrams
     0.5
   """
-  _check_per_sequence(per_sequence)
+  _checks.boolean("per_sequence", per_sequence)
   total, distinct = ngram_counts(tokens, lengths, n)
   return _aggregate(total - distinct, total, per_sequence)
 
@@ -274,8 +264,7 @@ def longest_repeated_span(tokens, lengths, *, overlapping: bool = True) -> np.nd
     [2]
   """
   tokens, lengths = _check_tokens(tokens, lengths)
-  if not isinstance(overlapping, bool):
-    raise ValueError(f"overlapping must be True or False; got {overlapping!r}")
+  _checks.boolean("overlapping", overlapping)
   out = np.zeros(len(lengths), np.int64)
   for b, (row, length) in enumerate(zip(tokens, lengths)):
     row = row[:length]
@@ -291,38 +280,6 @@ def longest_repeated_span(tokens, lengths, *, overlapping: bool = True) -> np.nd
 
 # ---------------------------------------------------------------------------------------------
 # Model-based metrics (JAX): the model's raw logits at every generated step.
-
-
-def teacher_forced_logits(model, prompt_tokens, prompt_lengths, new_tokens) -> jax.Array:
-  """The model's raw logits at every generated step, by one full forward pass (teacher forcing).
-
-  The sequence `prompt + new_tokens` of every row goes through `jaxdecode.models.forward`;
-  `logits[b, t]` is the distribution the model gave the token `new_tokens[b, t]` (the column
-  before it). Tokens after a row's EOS (padding) only follow the row's real tokens, so by
-  causality they change none of its valid logits.
-
-  Args:
-    model: a `jaxdecode.models.Transformer`.
-    prompt_tokens: int32 `[B, T]` left-padded prompts (`jaxdecode.left_pad`).
-    prompt_lengths: int32 `[B]` real prompt tokens per row (1..T).
-    new_tokens: int32 `[B, N]` generated tokens (e.g. `Generation.tokens`); `T + N` must be at
-      most the model's `max_len`.
-
-  Returns:
-    float32 `[B, N, V]`.
-  """
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from jaxdecode.models.transformer import forward  # pylint: disable=import-outside-toplevel
-  batch, width = jnp.shape(prompt_tokens)
-  if jnp.ndim(new_tokens) != 2 or jnp.shape(new_tokens)[0] != batch:
-    raise ValueError(f"new_tokens must have shape ({batch}, N), one row per prompt; got "
-                     f"{jnp.shape(new_tokens)}")
-  steps = jnp.shape(new_tokens)[1]
-  graphdef, weights = nnx.split(model)
-  sequence = jnp.concatenate([jnp.asarray(prompt_tokens, jnp.int32),
-                              jnp.asarray(new_tokens, jnp.int32)], axis=1)  # [B, T + N]
-  logits = forward(graphdef, weights, sequence, jnp.asarray(prompt_lengths, jnp.int32) + steps)
-  return logits[:, width - 1:width - 1 + steps]  # [B, N, V]
 
 
 def _valid(lengths: jax.Array, steps: int) -> jax.Array:
@@ -386,18 +343,16 @@ def mean_log_likelihood(logits, tokens, lengths, *, per_sequence: bool = False):
     >>> round(mean_log_likelihood(logits, jnp.array([[0, 1]]), jnp.array([2])), 4)
     -0.4904
   """
-  _check_per_sequence(per_sequence)
+  _checks.boolean("per_sequence", per_sequence)
   return masked_mean(token_log_likelihoods(logits, tokens, lengths), lengths,
                      per_sequence=per_sequence)
 
 
 @functools.partial(jax.jit, static_argnames=("steps",))
 def _entropies(processed, lengths, *, steps: int):
-  logp = jax.nn.log_softmax(processed.astype(jnp.float32), axis=-1)  # [B * N, V]
-  # A removed (-inf) token has p = 0 and contributes 0, not 0 * -inf = NaN.
-  terms = jnp.where(logp > -jnp.inf, jnp.exp(logp) * logp, 0.0)
-  selectable = jnp.any(processed > -jnp.inf, axis=-1)  # NaN-free after process_logits
-  h = jnp.where(selectable, -jnp.sum(terms, axis=-1), jnp.nan)  # [B * N]
+  x = processors.remove_nan(processed)  # [B * N, V]
+  _, _, h = processors.distribution(x)
+  h = jnp.where(jnp.any(x > -jnp.inf, axis=-1), h[:, 0], jnp.nan)  # [B * N]
   h = h.reshape(lengths.shape[0], steps)  # [B, N]
   return jnp.where(_valid(lengths, steps), jnp.maximum(h, 0.0), 0.0)
 
@@ -439,8 +394,7 @@ def step_entropies(logits, params: SamplingParams, lengths, *, tokens=None,
     [[0.0], [1.0397]]
   """
   lengths = _check_logits(logits, tokens, lengths)
-  if not isinstance(params, SamplingParams):
-    raise ValueError(f"params must be a jaxdecode.SamplingParams; got {type(params).__name__}")
+  _checks.instance("params", params, SamplingParams, "a jaxdecode.SamplingParams")
   batch, steps, vocab = jnp.shape(logits)
   params = params.broadcast(batch, vocab)
   mnt = np.asarray(params.min_new_tokens)
@@ -449,12 +403,12 @@ def step_entropies(logits, params: SamplingParams, lengths, *, tokens=None,
                      f"masks EOS at early steps, which needs the EOS ids); pass "
                      f"params.replace(min_new_tokens=0)")
   step_counts = None
-  if params.penalized():
+  if params.has_penalty():
     if tokens is None:
       raise ValueError("params has a penalty, which depends on the tokens each row has seen: "
                        "pass tokens=[B, N], the generated tokens")
     start = (jnp.zeros((batch, vocab), jnp.int32) if counts is None
-             else processors.check_counts(counts, batch, vocab))
+             else _checks.counts(counts, batch, vocab))
     step_counts = _step_counts(jnp.asarray(tokens, jnp.int32), start, vocab=vocab)
     step_counts = step_counts.reshape(batch * steps, vocab)
   # Row b's params for each of its N steps: [B, ...] -> [B * N, ...], the rows of
@@ -490,6 +444,6 @@ def mean_entropy(logits, params: SamplingParams, lengths, *, tokens=None, counts
     >>> round(mean_entropy(logits, params, jnp.array([2])), 4)  # ln 2
     0.6931
   """
-  _check_per_sequence(per_sequence)
+  _checks.boolean("per_sequence", per_sequence)
   return masked_mean(step_entropies(logits, params, lengths, tokens=tokens, counts=counts),
                      lengths, per_sequence=per_sequence)

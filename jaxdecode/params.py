@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _F32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +104,8 @@ def _convert(field: _Field, value) -> jax.Array:
   if field.integer and not np.issubdtype(host.dtype, np.integer):
     raise ValueError(f"{field.name} must be {field.allowed}; got {value!r} (dtype {host.dtype}); "
                      f"pass integers, e.g. {field.name}=5")
+  if field.integer and np.any((host > np.iinfo(np.int32).max) | (host < np.iinfo(np.int32).min)):
+    raise ValueError(f"{field.name} must be {field.allowed} that fits in int32; got {value!r}")
   bad = ~field.ok(host.astype(np.float64))
   if np.any(bad):
     if host.ndim == 0:
@@ -110,9 +113,22 @@ def _convert(field: _Field, value) -> jax.Array:
     i = int(np.flatnonzero(bad)[0])
     raise ValueError(f"{field.name} must be {field.allowed}; got {field.name}[{i}] = "
                      f"{host[i].item()!r} (in {host.tolist()!r})")
-  if field.integer and np.any(host > np.iinfo(np.int32).max):
-    raise ValueError(f"{field.name} must fit in int32; got {value!r}")
+  if not field.integer:
+    _check_float32(field.name, host)
   return jnp.asarray(host, dtype)
+
+
+def _check_float32(name: str, host: np.ndarray) -> None:
+  """ValueError if a finite value has no float32 counterpart (it would become inf or 0)."""
+  wide = host.astype(np.float64)
+  with np.errstate(over="ignore", under="ignore"):
+    narrow = wide.astype(np.float32)
+  lost = (np.isfinite(wide) & ~np.isfinite(narrow)) | ((wide != 0) & (narrow == 0))
+  if np.any(lost):
+    v = wide[lost].reshape(-1)[0]
+    raise ValueError(f"{name} = {v!r} cannot be represented in float32 (finite magnitudes from "
+                     f"{float(np.finfo(np.float32).smallest_subnormal):.1e} to {_F32_MAX:.2e}, "
+                     f"or 0)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,8 +154,8 @@ def _id_list(name: str, ids, row: int | None) -> list[int]:
   where = "" if row is None else f" (row {row})"
   out = []
   for i in ids:
-    if not _is_int(i) or i < 0:
-      raise ValueError(f"{name} must hold token ids (integers >= 0); got {i!r}{where}")
+    if not _is_int(i) or i < 0 or i > _INT32_MAX:
+      raise ValueError(f"{name} must hold token ids (integers in [0, 2**31)); got {i!r}{where}")
     out.append(int(i))
   return out
 
@@ -194,12 +210,14 @@ def _bias_dict(d, row: int | None) -> tuple[list[int], list[float]]:
     raise ValueError(f"logit_bias must be {_BIAS_FORMS}; got {d!r}{where}")
   ids, biases = [], []
   for token, bias in d.items():
-    if not _is_int(token) or token < 0:
-      raise ValueError(f"logit_bias keys must be token ids (integers >= 0); got {token!r}{where}")
+    if not _is_int(token) or token < 0 or token > _INT32_MAX:
+      raise ValueError(f"logit_bias keys must be token ids (integers in [0, 2**31)); got "
+                       f"{token!r}{where}")
     if isinstance(bias, (bool, np.bool_)) or not isinstance(bias, (int, float, np.number)) \
         or not np.isfinite(bias):
       raise ValueError(f"logit_bias values must be finite numbers (use banned_token_ids to ban a "
                        f"token); got {bias!r} for token {token}{where}")
+    _check_float32(f"logit_bias[{token}]", np.asarray(bias))
     ids.append(int(token))
     biases.append(float(bias))
   return ids, biases
@@ -230,9 +248,11 @@ def _convert_bias(value) -> tuple[jax.Array, jax.Array]:
                                                             jnp.floating):
       raise ValueError(f"logit_bias biases must be a float array of the ids' shape {ids.shape}; "
                        f"got shape {jnp.shape(biases)} and dtype {jnp.result_type(biases)}")
-    if _is_concrete(biases) and not np.all(np.isfinite(np.asarray(biases))):
-      raise ValueError("logit_bias values must be finite numbers (use banned_token_ids to ban a "
-                       "token)")
+    if _is_concrete(biases):
+      if not np.all(np.isfinite(np.asarray(biases))):
+        raise ValueError("logit_bias values must be finite numbers (use banned_token_ids to ban "
+                         "a token)")
+      _check_float32("logit_bias", np.asarray(biases))
     return ids, jnp.asarray(biases, jnp.float32)
   raise ValueError(f"logit_bias must be {_BIAS_FORMS}; got {value!r}")
 
@@ -241,7 +261,7 @@ def _convert_bias(value) -> tuple[jax.Array, jax.Array]:
 
 
 @jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True, init=False, eq=False)  # `==` is identity: fields are arrays
 class SamplingParams:
   """Per-row sampling settings (the processing order is that of `jaxdecode.process_logits`).
 
@@ -269,6 +289,11 @@ class SamplingParams:
     banned_token_ids: tokens that are never selected (a list of ids, or a list of B lists).
     allowed_token_ids: when a row has any, only those tokens can be selected; a row without
       ids is unrestricted.
+
+  Leaves have mixed shapes (scalars, `[B]`, token fields `[K]` or `[B, K]`), so call
+  `broadcast(B)` before mapping over rows with `jax.tree.map` or sharding the params over a mesh:
+  after it every leaf has the batch as its first axis. `rows(idx)` selects, reorders or slices
+  rows directly (shared values stay shared).
 
   Examples:
     >>> import jaxdecode
@@ -423,14 +448,34 @@ class SamplingParams:
         min_new_tokens=jnp.maximum(self.min_new_tokens, 0),
         logit_bias=(ids, finite(biases)))
 
-  def penalized(self) -> bool:
+  def rows(self, index) -> "SamplingParams":
+    """The params of some rows: `index` is anything that indexes a `[B]` axis (an int array to
+    gather or permute, a slice, a boolean mask). Per-row leaves are indexed; shared leaves
+    (scalars, token fields of shape `[K]`) stay shared.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxdecode
+      >>> p = jaxdecode.SamplingParams(temperature=jnp.array([0.0, 0.5, 1.0]), top_p=0.9)
+      >>> q = p.rows(jnp.array([2, 0]))
+      >>> q.temperature.tolist(), float(q.top_p) == float(p.top_p)
+      ([1.0, 0.0], True)
+    """
+    def select(leaf, per_row_rank):
+      return leaf[index] if leaf.ndim == per_row_rank else leaf
+    ids, biases = self.logit_bias
+    number = {n: select(getattr(self, n), 1) for n in _NUMBER_NAMES}
+    return self._with(**number, logit_bias=(select(ids, 2), select(biases, 2)),
+                      banned_token_ids=select(self.banned_token_ids, 2),
+                      allowed_token_ids=select(self.allowed_token_ids, 2))
+
+  def has_penalty(self) -> bool:
     """True if a concrete penalty is active on some row (the call then needs token counts)."""
     host = self._host
     return host is not None and bool(np.any(host.repetition_penalty != 1) or
                                      np.any(host.presence_penalty != 0) or
                                      np.any(host.frequency_penalty != 0))
 
-  def min_new_tokens_set(self) -> int:
+  def largest_min_new_tokens(self) -> int:
     """The largest concrete `min_new_tokens` (0 when none is set or the values are traced)."""
     host = self._host
     return 0 if host is None else int(np.max(host.min_new_tokens))

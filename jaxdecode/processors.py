@@ -3,18 +3,20 @@
 `process_logits` applies them in this order (`process_f32`):
 
 1. token sets: `banned_token_ids` -> -inf; a row with `allowed_token_ids` keeps only those;
-2. `logit_bias`: added to the logits of its tokens;
-3. penalties, from each row's token counts: `repetition_penalty` (HF: a seen token's logit is
+2. the +inf rule: a row with +inf logits left is uniform over them (+inf -> 0, the rest -> -inf);
+3. `logit_bias`: added to the logits of its tokens;
+4. penalties, from each row's token counts: `repetition_penalty` (HF: a seen token's logit is
    divided by it if positive, multiplied if negative), then `frequency_penalty * count` and
    `presence_penalty * (count > 0)` are subtracted (OpenAI/vLLM);
-4. temperature; 5. top-k; 6. top-p; 7. min-p; 8. typical-p; 9. epsilon; 10. eta.
+5. temperature; 6. top-k; 7. top-p; 8. min-p; 9. typical-p; 10. epsilon; 11. eta.
 
-Steps 1-3 change the logits that everything after them sees, greedy rows (temperature 0)
+Steps 1-4 change the logits that everything after them sees, greedy rows (temperature 0)
 included: a temperature-0 row takes the argmax of the biased and penalized logits. Each
-truncation (5-10) acts on the distribution left by the steps before it, renormalized.
+truncation (6-11) acts on the distribution left by the steps before it, renormalized.
 
-Semantics of the truncations (order-free, so that none of them needs a sort of the vocabulary;
-p is the row's distribution at that step, H = -sum_j p_j log p_j its entropy in nats):
+The definitions of the truncations, stated once here (order-free, so that none of them needs a
+sort of the vocabulary; p is the row's distribution at that step, H = -sum_j p_j log p_j its
+entropy in nats):
 
 - top-k keeps token i iff fewer than k tokens have a strictly larger logit (boundary ties kept).
 - top-p keeps token i iff the probability mass of the tokens strictly more probable than i is
@@ -26,22 +28,21 @@ p is the row's distribution at that step, H = -sum_j p_j log p_j its entropy in 
 - epsilon keeps token i iff p_i >= epsilon_cutoff or p_i = max_j p_j.
 - eta keeps token i iff p_i >= min(eta, sqrt(eta) * exp(-H)) or p_i = max_j p_j.
 
-Each top-k/top-p kept set is an *upper set* of the row: every token whose logit is >= some
-threshold, so top-k followed by top-p is one threshold per row. A row whose kept set provably
-lies inside its 64 largest logits gets the threshold from those candidates
-(`_thresholds_from_candidates`); any other row by a bisection over the 32 bits of the float32
-order (`_largest_threshold`): 32 masked reductions over `[B, V]`. typical-p is an upper set in
-the order of typicality and uses the same bisection. All are exact, need no sort and have no
-data-dependent shapes; a step that no row uses is skipped (a `lax.cond` on the batch).
+How the top-k, top-p and typical-p sets are found exactly without a sort is
+`jaxdecode.threshold`'s subject. A step that no row uses is skipped (a `lax.cond` on the batch).
 
-Numerics: all math runs in float32 whatever the input dtype; outputs are cast back to it.
-Input hygiene, applied by every processor:
+Numerics: all math runs in float32 whatever the input dtype. Input hygiene:
 
 - NaN logits become -inf (a NaN is never selected);
-- if a row has +inf logits, its distribution is uniform over them: +inf -> 0, the rest -> -inf;
+- token sets come first, so a banned +inf logit is simply removed; then a row with +inf logits
+  left is uniform over them;
 - a row whose logits are all -inf (or NaN) stays all -inf: it has nothing selectable;
 - a bias or penalty never turns -inf into a number, and saturates at the float32 range instead
-  of overflowing to +-inf.
+  of overflowing to +-inf; a temperature whose division overflows either way (x / t = +-inf for
+  a finite x) divides `x - max` instead, so the row's most probable token stays finite: a row
+  with a selectable token never comes back empty;
+- outputs in float16/bfloat16 saturate to that dtype's range (a row whose maximum exceeds it is
+  shifted by its maximum first, which keeps its distribution and the order of its top tokens).
 """
 
 from __future__ import annotations
@@ -50,34 +51,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from jaxdecode import _checks
+from jaxdecode import threshold
 from jaxdecode.params import SamplingParams, as_field
 
-_NEG_INF = float("-inf")
-_TINY = float(jnp.finfo(jnp.float32).tiny)
+_NEG_INF = threshold.NEG_INF
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 # ---------------------------------------------------------------------------------------------
 # Validation (Python, before anything is traced or compiled).
-
-
-def check_logits(logits) -> tuple[int, int]:
-  """Checks that `logits` is a floating `[B, V]` array with V >= 1; returns (B, V)."""
-  shape = jnp.shape(logits)
-  if len(shape) != 2:
-    hint = " For one row use logits[None]." if len(shape) == 1 else (
-        " For extra leading axes use jax.vmap." if len(shape) > 2 else "")
-    raise ValueError(f"logits must have shape [B, V] (rank 2); got shape {shape}.{hint}")
-  dtype = jnp.result_type(logits)
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"logits must be a floating-point array (float32, bfloat16, float16, ...); "
-                     f"got dtype {dtype}")
-  if shape[1] < 1:
-    raise ValueError(f"logits must have a vocabulary of at least one token; got shape {shape}")
-  return shape
 
 
 def check_row_param(name: str, value, batch_size: int) -> jax.Array:
@@ -89,34 +74,21 @@ def check_row_param(name: str, value, batch_size: int) -> jax.Array:
   return jnp.broadcast_to(value, (batch_size,))
 
 
-def check_counts(counts, batch_size: int, vocab_size: int) -> jax.Array:
-  """Validates per-row token counts: an integer array `[B, V]`; returns it as int32."""
-  shape, dtype = jnp.shape(counts), jnp.result_type(counts)
-  if shape != (batch_size, vocab_size) or not jnp.issubdtype(dtype, jnp.integer):
-    raise ValueError(f"counts must be an integer array of shape ({batch_size}, {vocab_size}) "
-                     f"(how often each row has seen each token; see jaxdecode.token_counts); "
-                     f"got shape {shape} and dtype {dtype}")
-  return jnp.asarray(counts, jnp.int32)
+def check_call(logits, params, counts, *, caller: str, loop: bool = False):
+  """The checks shared by `process_logits`, the samplers and the loops, before anything compiles.
 
-
-def check_call(logits, params, counts, *, caller: str):
-  """The checks shared by `process_logits` and the samplers, before anything compiles.
-
-  Returns `(params broadcast to the batch, int32 counts or None)`.
+  Returns `(params broadcast to the batch, int32 counts or None)`. A loop (`loop=True`) carries
+  its own counts, so a penalty without `counts` is fine there.
   """
-  batch, vocab = check_logits(logits)
-  if not isinstance(params, SamplingParams):
-    raise ValueError(f"params must be a jaxdecode.SamplingParams; got {type(params).__name__}")
+  batch, vocab = _checks.logits(logits)
+  _checks.instance("params", params, SamplingParams, "a jaxdecode.SamplingParams")
   broadcast = params.broadcast(batch, vocab)
   if counts is not None:
-    counts = check_counts(counts, batch, vocab)
-  elif params.penalized():
+    counts = _checks.counts(counts, batch, vocab)
+  elif params.has_penalty() and not loop:
     raise ValueError(f"repetition_penalty, presence_penalty and frequency_penalty act on the "
                      f"tokens each row has seen: pass counts=[B, V] to {caller} (see "
                      f"jaxdecode.token_counts), or use jaxdecode.decode, which carries them")
-  if params.min_new_tokens_set():
-    raise ValueError(f"min_new_tokens={params.min_new_tokens_set()} needs the EOS ids and the "
-                     f"step, which {caller} does not have; it applies in jaxdecode.decode")
   return broadcast, counts
 
 
@@ -134,40 +106,48 @@ def token_counts(tokens, vocab_size: int, mask=None) -> jax.Array:
     >>> jaxdecode.token_counts(jnp.array([[0, 2, 2], [1, 1, 3]]), 4).tolist()
     [[1, 0, 2, 0], [0, 2, 0, 1]]
   """
+  tokens = _checks.array("tokens", tokens, "an integer array [B, T]")
   if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
     raise ValueError(f"tokens must be an integer array [B, T]; got shape {jnp.shape(tokens)} "
                      f"and dtype {jnp.result_type(tokens)}")
-  if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) \
-      or vocab_size < 1:
-    raise ValueError(f"vocab_size must be an integer >= 1; got {vocab_size!r}")
+  vocab_size = _checks.integer("vocab_size", vocab_size, low=1)
   if mask is not None and jnp.shape(mask) != jnp.shape(tokens):
     raise ValueError(f"mask must have the shape of tokens {jnp.shape(tokens)}; got "
                      f"{jnp.shape(mask)}")
   return _token_counts(jnp.asarray(tokens, jnp.int32),
-                       None if mask is None else jnp.asarray(mask, bool), int(vocab_size))
+                       None if mask is None else jnp.asarray(mask, bool), vocab_size)
 
 
 @functools.partial(jax.jit, static_argnums=2)
 def _token_counts(tokens, mask, vocab):
   ones = jnp.ones(tokens.shape, jnp.int32) if mask is None else mask.astype(jnp.int32)
   rows = lax.broadcasted_iota(jnp.int32, tokens.shape, 0)
-  return jnp.zeros((tokens.shape[0], vocab), jnp.int32).at[rows, tokens].add(ones, mode="drop")
+  return jnp.zeros((tokens.shape[0], vocab), jnp.int32).at[rows, valid_ids(tokens, vocab)].add(
+      ones, mode="drop")
 
 
 # ---------------------------------------------------------------------------------------------
 # Float32 building blocks (traced; shapes in comments).
 
 
-def prepare(logits: jax.Array) -> jax.Array:
-  """float32 copy with the input hygiene rules above applied. [B, V] -> [B, V]."""
+def remove_nan(logits: jax.Array) -> jax.Array:
+  """float32 copy with NaN -> -inf. [B, V]."""
   x = logits.astype(jnp.float32)
-  x = jnp.where(jnp.isnan(x), _NEG_INF, x)
+  return jnp.where(jnp.isnan(x), _NEG_INF, x)
 
+
+def apply_pos_inf_rule(x: jax.Array) -> jax.Array:
+  """A row with +inf entries becomes uniform over them: +inf -> 0, the rest -> -inf."""
   def uniform_over_pos_inf(x):
     has_pos_inf = jnp.any(x == jnp.inf, axis=-1, keepdims=True)  # [B, 1]
     return jnp.where(has_pos_inf, jnp.where(x == jnp.inf, 0.0, _NEG_INF), x)
 
   return lax.cond(jnp.any(x == jnp.inf), uniform_over_pos_inf, lambda x: x, x)
+
+
+def prepare(logits: jax.Array) -> jax.Array:
+  """float32 copy with the input hygiene rules (NaN -> -inf, the +inf rule). [B, V]."""
+  return apply_pos_inf_rule(remove_nan(logits))
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
@@ -181,182 +161,20 @@ def first_argmax(x: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(x == m, iota, x.shape[-1]), axis=-1).astype(jnp.int32)
 
 
-def _order_keys(x: jax.Array) -> jax.Array:
-  """uint32 keys with the same order as the float32 values (-0.0 and +0.0 tie)."""
-  x = jnp.where(x == 0, 0.0, x)  # -0.0 -> +0.0, so that equal floats get equal keys
-  bits = lax.bitcast_convert_type(x, jnp.uint32)
-  negative = (bits >> 31) == 1
-  return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+def distribution(x: jax.Array):
+  """(p, log p, H) of softmax(x) per row: [B, V], [B, V], [B, 1]; p = 0 and H = 0 for empty rows."""
+  e, m = threshold.unnormalized_probs(x)
+  z = jnp.sum(e, axis=-1, keepdims=True)
+  ok = z > 0
+  p = jnp.where(ok, e / jnp.where(ok, z, 1.0), 0.0)
+  log_p = jnp.where(e > 0, x - m - jnp.log(jnp.where(ok, z, 1.0)), _NEG_INF)
+  entropy = -jnp.sum(jnp.where(e > 0, p * log_p, 0.0), axis=-1, keepdims=True)
+  return p, log_p, entropy
 
 
-def _largest_threshold(keys: jax.Array, weights, target: jax.Array) -> jax.Array:
-  """Per row, the largest uint32 t with sum(weights[keys >= t]) >= target (0 if none does).
-
-  Bisection from the most significant bit: 32 masked sums over [B, V]. Since the sum only
-  changes at the data's keys, the answer is always one of them.
-
-  Args:
-    keys: uint32[B, V] order keys.
-    weights: [B, V] or scalar non-negative weights (1 counts tokens; probabilities give mass).
-    target: [B] amount to reach.
-
-  Returns:
-    uint32[B].
-  """
-  def body(i, t):
-    candidate = t | (jnp.uint32(1) << jnp.asarray(31 - i, jnp.uint32))  # [B]
-    reached = jnp.sum(jnp.where(keys >= candidate[:, None], weights, 0), axis=-1)
-    return jnp.where(reached >= target, candidate, t)
-
-  return lax.fori_loop(0, 32, body, jnp.zeros(keys.shape[:1], jnp.uint32))
-
-
-def _unnormalized_probs(x: jax.Array):
-  """exp(x - max) per row (0 for rows with nothing selectable), and the row max. [B, V]."""
-  m = jnp.max(x, axis=-1, keepdims=True)
-  e = jnp.where(m > _NEG_INF, jnp.exp(x - m), 0.0)
-  return e, m
-
-
-def apply_temperature(x: jax.Array, t: jax.Array) -> jax.Array:
-  """x / t per row; t == 0 rows become a point mass on their greedy token. float32 [B, V]."""
-  greedy_rows = (t == 0)[:, None]
-  t_safe = jnp.where(greedy_rows, 1.0, t[:, None])
-  scaled = jnp.where(x == _NEG_INF, _NEG_INF, x / t_safe)
-
-  # A tiny temperature can overflow x / t to +inf; those rows use the equivalent (x - max) / t,
-  # which is <= 0 everywhere (same distribution, no overflow).
-  def fix_overflow(scaled):
-    overflow = jnp.any(scaled == jnp.inf, axis=-1, keepdims=True)
-    m = jnp.max(x, axis=-1, keepdims=True)
-    shifted = jnp.where(x == _NEG_INF, _NEG_INF, (x - m) / t_safe)
-    return jnp.where(overflow, shifted, scaled)
-
-  scaled = lax.cond(jnp.any(t < 1), fix_overflow, lambda s: s, scaled)
-
-  def point_mass(scaled):
-    iota = lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    one_hot = jnp.where(iota == first_argmax(x)[:, None], x, _NEG_INF)
-    return jnp.where(greedy_rows, one_hot, scaled)
-
-  # The conditions skip whole passes over [B, V] when no row needs them (traced, no retrace).
-  return lax.cond(jnp.any(greedy_rows), point_mass, lambda s: s, scaled)
-
-
-def _value_of_key(key: jax.Array) -> jax.Array:
-  """Inverse of `_order_keys`: the float32 value with that order key."""
-  positive = (key >> 31) == 1
-  bits = jnp.where(positive, key ^ jnp.uint32(0x80000000), ~key)
-  return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _thresholds_by_bisection(x, k, p):
-  """top-k then top-p thresholds of every row by bisection over all V tokens (any k, any p)."""
-  vocab = x.shape[-1]
-  keys = _order_keys(x)
-  k_active = (k > 0) & (k < vocab)
-  no_cut = jnp.full(k.shape, _NEG_INF)
-  tau_k = lax.cond(  # each bisection only when some row needs it
-      jnp.any(k_active),
-      lambda: jnp.where(k_active, _value_of_key(_largest_threshold(keys, jnp.int32(1), k)),
-                        _NEG_INF),
-      lambda: no_cut)
-  e, _ = _unnormalized_probs(x)
-  e = jnp.where(x >= tau_k[:, None], e, 0.0)  # the distribution after top-k
-  target = jnp.maximum(p, _TINY) * jnp.sum(e, axis=-1)
-  tau_p = lax.cond(jnp.any(p < 1),
-                   lambda: jnp.where(p < 1, _value_of_key(_largest_threshold(keys, e, target)),
-                                     _NEG_INF),
-                   lambda: no_cut)
-  return jnp.maximum(tau_k, tau_p)
-
-
-def _thresholds_from_candidates(x, k, p, candidates: int):
-  """top-k then top-p thresholds computed on each row's `candidates` largest logits.
-
-  Returns `(tau, exact)`: `exact[b]` is True when row b's kept set provably lies inside its
-  candidates (its threshold is above the smallest candidate, or the candidates are the whole
-  vocabulary); only then is `tau[b]` the row's threshold. Whether a row is exact depends only on
-  the row, so choosing between this and the bisection per row keeps rows independent.
-  """
-  vocab = x.shape[-1]
-  # The barrier keeps XLA:CPU on its partial top-k kernel: when the top-k result fuses with its
-  # consumers, XLA lowers it to a full sort of the vocabulary instead (~100x slower).
-  values = lax.optimization_barrier(lax.top_k(x, candidates)[0])  # [B, K], descending
-  m = values[:, :1]
-  e = jnp.where(m > _NEG_INF, jnp.exp(values - m), 0.0)  # [B, K]
-  k_active = (k > 0) & (k < vocab)
-  tau_k = jnp.where(k_active, jnp.take_along_axis(values, jnp.clip(k, 1, candidates)[:, None] - 1,
-                                                  axis=1)[:, 0], _NEG_INF)
-  e = jnp.where(values >= tau_k[:, None], e, 0.0)  # after top-k
-  # Z: the candidates' mass when top-k cut inside them, else the whole row's (a full pass over
-  # the vocabulary, skipped when every row has top-k).
-  z_row = lax.cond(jnp.any(~k_active), lambda: jnp.sum(_unnormalized_probs(x)[0], axis=-1),
-                   lambda: jnp.zeros(k.shape, jnp.float32))
-  z = jnp.where(k_active, jnp.sum(e, axis=-1), z_row)
-  target = jnp.maximum(p, _TINY) * z
-  # Mass strictly above each candidate: the exclusive cumulative mass at its value's first slot.
-  iota = lax.broadcasted_iota(jnp.int32, values.shape, 1)
-  new_value = jnp.concatenate([jnp.ones_like(values[:, :1], bool),
-                               values[:, 1:] != values[:, :-1]], axis=1)
-  first_slot = lax.cummax(jnp.where(new_value, iota, 0), axis=1)
-  above = jnp.take_along_axis(jnp.cumsum(e, axis=1) - e, first_slot, axis=1)
-  kept = (values >= tau_k[:, None]) & ((above < target[:, None]) | (p >= 1)[:, None])
-  tau = jnp.min(jnp.where(kept, values, jnp.inf), axis=-1)
-  tau = jnp.where(k_active | (p < 1), tau, _NEG_INF)
-  # Exact when the kept set, and the top-k set that normalizes top-p, end above the last
-  # candidate: then no token outside the candidates (not even a tie) belongs to either.
-  inside = (tau > values[:, -1]) & (~k_active | (tau_k > values[:, -1]))
-  exact = (candidates == vocab) | inside | (m[:, 0] == _NEG_INF)
-  return tau, exact
-
-
-_CANDIDATES = 64  # per-row candidates for the fast path (lax.top_k)
-
-
-def apply_top_k_top_p(x: jax.Array, k: jax.Array, p: jax.Array) -> jax.Array:
-  """top-k (k <= 0 or k >= V keeps all) then top-p (p >= 1 keeps all) on the top-k survivors.
-
-  Both kept sets are upper sets of the row, so the pair is one threshold per row. Rows whose
-  kept set lies inside their 64 largest logits (any k <= 63, and top-p on a peaked distribution)
-  get it from those candidates; the others by a bisection over the whole vocabulary, which runs
-  only when some row needs it.
-  """
-  active = ((k > 0) & (k < x.shape[-1])) | (p < 1)  # [B]
-
-  def cut(x):
-    tau, exact = _thresholds_from_candidates(x, k, p, min(_CANDIDATES, x.shape[-1]))
-    tau = lax.cond(jnp.all(exact), lambda: tau,
-                   lambda: jnp.where(exact, tau, _thresholds_by_bisection(x, k, p)))
-    return jnp.where(active[:, None] & (x < tau[:, None]), _NEG_INF, x)
-
-  return lax.cond(jnp.any(active), cut, lambda x: x, x)
-
-
-def apply_top_k(x: jax.Array, k: jax.Array) -> jax.Array:
-  """Keeps tokens with fewer than k strictly larger logits; k <= 0 or k >= V keeps all."""
-  return apply_top_k_top_p(x, k, jnp.ones(k.shape, jnp.float32))
-
-
-def apply_top_p(x: jax.Array, p: jax.Array) -> jax.Array:
-  """Keeps tokens whose strictly-more-probable mass is < p; p >= 1 keeps all."""
-  return apply_top_k_top_p(x, jnp.zeros(p.shape, jnp.int32), p)
-
-
-def apply_min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
-  """Keeps tokens with p_i >= min_p * max_j p_j, i.e. exp(x_i - max) >= min_p."""
-  def cut(x):
-    e, _ = _unnormalized_probs(x)
-    return jnp.where(e >= min_p[:, None], x, _NEG_INF)
-
-  return lax.cond(jnp.any(min_p > 0), cut, lambda x: x, x)
-
-
-# Steps 1-3: token sets, logit bias, penalties (they change the logits, not only the kept set).
-
-
-def _valid_ids(ids: jax.Array, vocab: int) -> jax.Array:
-  """ids with padding (-1) and out-of-range ids replaced by `vocab` (dropped by scatters)."""
+def valid_ids(ids: jax.Array, vocab: int) -> jax.Array:
+  """ids with padding (-1) and any id outside `[0, V)` replaced by V, which scatters with
+  `mode="drop"` ignore (a negative index would otherwise wrap around to V - 1)."""
   return jnp.where((ids >= 0) & (ids < vocab), ids, vocab)
 
 
@@ -368,7 +186,7 @@ def _saturate(x: jax.Array, y: jax.Array) -> jax.Array:
 def apply_token_sets(x: jax.Array, banned: jax.Array, allowed: jax.Array) -> jax.Array:
   """Banned ids -> -inf; a row with allowed ids keeps only those. ids: int32[B, K], -1 pads."""
   vocab = x.shape[-1]
-  banned, allowed = _valid_ids(banned, vocab), _valid_ids(allowed, vocab)
+  banned, allowed = valid_ids(banned, vocab), valid_ids(allowed, vocab)
 
   def ban(x):
     rows = lax.broadcasted_iota(jnp.int32, banned.shape, 0)
@@ -386,7 +204,7 @@ def apply_token_sets(x: jax.Array, banned: jax.Array, allowed: jax.Array) -> jax
 
 def apply_logit_bias(x: jax.Array, ids: jax.Array, biases: jax.Array) -> jax.Array:
   """Adds `biases[b, j]` to `x[b, ids[b, j]]` (duplicates add up). ids/biases: [B, K]."""
-  ids = _valid_ids(ids, x.shape[-1])
+  ids = valid_ids(ids, x.shape[-1])
 
   def add(x):
     rows = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
@@ -416,75 +234,104 @@ def apply_penalties(x: jax.Array, counts: jax.Array, repetition: jax.Array,
   return lax.cond(jnp.any(active), penalize, lambda x: x, x)
 
 
-# ---------------------------------------------------------------------------------------------
-# Steps 8-10: truncations that need the renormalized distribution and its entropy.
+def apply_temperature(x: jax.Array, t: jax.Array) -> jax.Array:
+  """x / t per row; t == 0 rows become a point mass on their greedy token. float32 [B, V]."""
+  greedy_rows = (t == 0)[:, None]
+  t_safe = jnp.where(greedy_rows, 1.0, t[:, None])
+  scaled = jnp.where(x == _NEG_INF, _NEG_INF, x / t_safe)
+
+  # A tiny temperature can overflow x / t to +-inf; such rows use the equivalent (x - max) / t,
+  # which is <= 0 everywhere and 0 at the maximum (same distribution, never an empty row).
+  def fix_overflow(scaled):
+    overflow = jnp.any(jnp.isinf(scaled) & (x > _NEG_INF), axis=-1, keepdims=True)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    shifted = jnp.where(x == _NEG_INF, _NEG_INF, (x - m) / t_safe)
+    return jnp.where(overflow, shifted, scaled)
+
+  scaled = lax.cond(jnp.any(t < 1), fix_overflow, lambda s: s, scaled)
+
+  def point_mass(scaled):
+    iota = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    one_hot = jnp.where(iota == first_argmax(x)[:, None], x, _NEG_INF)
+    return jnp.where(greedy_rows, one_hot, scaled)
+
+  # The conditions skip whole passes over [B, V] when no row needs them (traced, no retrace).
+  return lax.cond(jnp.any(greedy_rows), point_mass, lambda s: s, scaled)
 
 
-def _distribution(x: jax.Array):
-  """(p, log p, H) of softmax(x) per row: [B, V], [B, V], [B, 1]; p = 0 and H = 0 for empty rows."""
-  e, m = _unnormalized_probs(x)
-  z = jnp.sum(e, axis=-1, keepdims=True)
-  ok = z > 0
-  p = jnp.where(ok, e / jnp.where(ok, z, 1.0), 0.0)
-  log_p = jnp.where(e > 0, x - m - jnp.log(jnp.where(ok, z, 1.0)), _NEG_INF)
-  entropy = -jnp.sum(jnp.where(e > 0, p * log_p, 0.0), axis=-1, keepdims=True)
-  return p, log_p, entropy
+def apply_top_k_top_p(x: jax.Array, k: jax.Array, p: jax.Array) -> jax.Array:
+  """top-k (k <= 0 or k >= V keeps all) then top-p (p >= 1 keeps all) on the top-k survivors.
+
+  Both kept sets are upper sets of the row, so the pair is one threshold per row
+  (`threshold.top_k_top_p_threshold`).
+  """
+  active = ((k > 0) & (k < x.shape[-1])) | (p < 1)  # [B]
+
+  def cut(x):
+    tau = threshold.top_k_top_p_threshold(x, k, p)
+    return jnp.where(active[:, None] & (x < tau[:, None]), _NEG_INF, x)
+
+  return lax.cond(jnp.any(active), cut, lambda x: x, x)
+
+
+def apply_min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
+  """min-p: p_i >= min_p * max_j p_j, i.e. exp(x_i - max) >= min_p."""
+  def cut(x):
+    e, _ = threshold.unnormalized_probs(x)
+    return jnp.where(e >= min_p[:, None], x, _NEG_INF)
+
+  return lax.cond(jnp.any(min_p > 0), cut, lambda x: x, x)
 
 
 def apply_typical_p(x: jax.Array, typical_p: jax.Array) -> jax.Array:
-  """Keeps tokens whose strictly-more-typical mass is < typical_p; typical_p >= 1 keeps all.
-
-  Typicality is |-log p_i - H|. The kept set is an upper set of -|-log p_i - H|, so the same
-  bisection as top-p finds its threshold (32 masked sums over the vocabulary).
-  """
+  """typical-p, by bisection in the order of typicality (`threshold.typical_keep`)."""
   active = typical_p < 1  # [B]
 
   def cut(x):
-    p, log_p, entropy = _distribution(x)
-    score = -jnp.abs(-log_p - entropy)  # higher is more typical
-    keys = jnp.where(p > 0, _order_keys(jnp.where(p > 0, score, 0.0)), jnp.uint32(0))
-    target = jnp.maximum(typical_p, _TINY) * jnp.sum(p, axis=-1)
-    tau = _largest_threshold(keys, p, target)
-    keep = (keys >= tau[:, None]) & (p > 0)
+    p, log_p, entropy = distribution(x)
+    keep = threshold.typical_keep(p, log_p, entropy, typical_p)
     return jnp.where(keep | ~active[:, None], x, _NEG_INF)
 
   return lax.cond(jnp.any(active), cut, lambda x: x, x)
 
 
-def _cut_below(x: jax.Array, active: jax.Array, threshold) -> jax.Array:
-  """Keeps p_i >= threshold(p, H) [B, 1] and the most probable token(s) of active rows."""
+def _cut_below(x: jax.Array, active: jax.Array, cutoff) -> jax.Array:
+  """Keeps p_i >= cutoff(H) [B, 1] and the most probable token(s) of active rows."""
   def cut(x):
-    p, _, entropy = _distribution(x)
-    keep = (p >= threshold(entropy)) | (x == jnp.max(x, axis=-1, keepdims=True))
+    p, _, entropy = distribution(x)
+    keep = (p >= cutoff(entropy)) | (x == jnp.max(x, axis=-1, keepdims=True))
     return jnp.where(keep | ~active[:, None], x, _NEG_INF)
 
   return lax.cond(jnp.any(active), cut, lambda x: x, x)
 
 
 def apply_epsilon_cutoff(x: jax.Array, epsilon: jax.Array) -> jax.Array:
-  """Keeps p_i >= epsilon and the most probable token(s); epsilon <= 0 keeps all."""
+  """epsilon: p_i >= epsilon, and the most probable token(s); epsilon <= 0 keeps all."""
   return _cut_below(x, epsilon > 0, lambda entropy: epsilon[:, None])
 
 
 def apply_eta_cutoff(x: jax.Array, eta: jax.Array) -> jax.Array:
-  """Keeps p_i >= min(eta, sqrt(eta) exp(-H)) and the most probable token(s); eta <= 0 keeps all."""
-  def threshold(entropy):
+  """eta: p_i >= min(eta, sqrt(eta) exp(-H)), and the most probable token(s)."""
+  def cutoff(entropy):
     e = eta[:, None]
     return jnp.minimum(e, jnp.sqrt(e) * jnp.exp(-entropy))
 
-  return _cut_below(x, eta > 0, threshold)
+  return _cut_below(x, eta > 0, cutoff)
 
 
-def process_f32(x: jax.Array, params: SamplingParams, counts: jax.Array | None = None):
-  """The whole chain on prepared float32 logits with sanitized, broadcast params.
+def process_f32(logits: jax.Array, params: SamplingParams,
+                counts: jax.Array | None = None) -> jax.Array:
+  """The whole chain, in this module's order, on logits of any float dtype; float32 out.
 
   Args:
-    x: float32[B, V] from `prepare`.
+    logits: [B, V] floating logits.
     params: `SamplingParams` after `broadcast(B)` and `sanitized()`.
     counts: int32[B, V] token counts for the penalties, or None (no token seen yet: the
       penalties change nothing).
   """
+  x = remove_nan(logits)
   x = apply_token_sets(x, params.banned_token_ids, params.allowed_token_ids)
+  x = apply_pos_inf_rule(x)
   x = apply_logit_bias(x, *params.logit_bias)
   if counts is not None:
     x = apply_penalties(x, counts, params.repetition_penalty, params.presence_penalty,
@@ -497,13 +344,28 @@ def process_f32(x: jax.Array, params: SamplingParams, counts: jax.Array | None =
   return apply_eta_cutoff(x, params.eta_cutoff)
 
 
+def cast_saturating(x: jax.Array, dtype) -> jax.Array:
+  """float32 [B, V] -> dtype, saturating at the dtype's range instead of overflowing to +-inf.
+
+  A row whose maximum exceeds the range is shifted by its maximum first (same distribution, and
+  its top tokens keep their order); -inf stays -inf.
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.float32 or float(jnp.finfo(dtype).max) >= _F32_MAX:
+    return x.astype(dtype)
+  high = float(jnp.finfo(dtype).max)
+  m = jnp.max(x, axis=-1, keepdims=True)
+  x = jnp.where(m > high, x - m, x)
+  return jnp.where(x == _NEG_INF, _NEG_INF, jnp.clip(x, -high, high)).astype(dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public processors: validate in Python, then run jitted float32 code, cast back to the input dtype.
 
 
 @jax.jit
 def _process_logits(logits, params, counts):
-  return process_f32(prepare(logits), params.sanitized(), counts).astype(logits.dtype)
+  return cast_saturating(process_f32(logits, params.sanitized(), counts), logits.dtype)
 
 
 def process_logits(logits: jax.Array, params: SamplingParams, *, counts=None) -> jax.Array:
@@ -532,25 +394,41 @@ def process_logits(logits: jax.Array, params: SamplingParams, *, counts=None) ->
     [[-1.0, 0.0, 0.0, -inf]]
   """
   params, counts = check_call(logits, params, counts, caller="process_logits")
+  no_min_new_tokens(params, "process_logits")
   return _process_logits(logits, params, counts)
 
 
-def _public(name: str, field: str, apply):
-  @jax.jit
-  def run(logits, value):
-    p = SamplingParams().replace(**{field: value}).sanitized()
-    return apply(prepare(logits), getattr(p, field)).astype(logits.dtype)
-
-  def processor(logits: jax.Array, value) -> jax.Array:
-    batch, _ = check_logits(logits)
-    return run(logits, check_row_param(field, value, batch))
-
-  processor.__name__ = processor.__qualname__ = name
-  return processor
+def no_min_new_tokens(params: SamplingParams, caller: str) -> None:
+  """ValueError if `min_new_tokens` is set: only the loops know the EOS ids and the step."""
+  if params.largest_min_new_tokens():
+    raise ValueError(f"min_new_tokens={params.largest_min_new_tokens()} needs the EOS ids and "
+                     f"the step, which {caller} does not have; it applies in jaxdecode.decode")
 
 
-temperature = _public("temperature", "temperature", apply_temperature)
-temperature.__doc__ = """Divides `[B, V]` logits by a temperature (scalar or `[B]`, >= 0).
+@functools.partial(jax.jit, static_argnums=0)
+def _run_one(apply, logits, value):
+  return cast_saturating(apply(prepare(logits), value), logits.dtype)
+
+
+def _one(apply, field: str, logits, value):
+  """Validates `value` as the SamplingParams field `field` and applies one processor."""
+  batch, _ = _checks.logits(logits)
+  value = check_row_param(field, value, batch)
+  # Traced values (inside a user's jit) are mapped onto the valid range like any params field.
+  value = getattr(SamplingParams()._with(**{field: value}).sanitized(), field)  # pylint: disable=protected-access
+  return _run_one(apply, logits, value)
+
+
+def _top_k_alone(x, k):
+  return apply_top_k_top_p(x, k, jnp.ones(k.shape, jnp.float32))
+
+
+def _top_p_alone(x, p):
+  return apply_top_k_top_p(x, jnp.zeros(p.shape, jnp.int32), p)
+
+
+def temperature(logits: jax.Array, temperature: jax.Array | float) -> jax.Array:
+  """Divides `[B, V]` logits by a temperature (scalar or `[B]`, >= 0).
 
   0 keeps only the greedy token (argmax, ties to the lowest index); values below 1 sharpen the
   distribution, above 1 flatten it, 1 returns the logits unchanged.
@@ -560,74 +438,80 @@ temperature.__doc__ = """Divides `[B, V]` logits by a temperature (scalar or `[B
     >>> jaxdecode.processors.temperature(jnp.array([[1.0, 3.0, 3.0]]), 0.0).tolist()
     [[-inf, 3.0, -inf]]
   """
+  return _one(apply_temperature, "temperature", logits, temperature)
 
-top_k = _public("top_k", "top_k", apply_top_k)
-top_k.__doc__ = """Keeps the tokens that have fewer than k strictly larger logits (0 disables).
+
+def top_k(logits: jax.Array, k: jax.Array | int) -> jax.Array:
+  """top-k (defined in this module's docstring): k is a scalar or `[B]`; 0 disables.
 
   Ties at the boundary are all kept, so more than k tokens can survive.
 
   Examples:
     >>> import jax.numpy as jnp, jaxdecode
-    >>> jaxdecode.processors.top_k(jnp.array([[1.0, 3.0, 2.0, 2.0]]), 2).tolist()
+    >>> jaxdecode.processors.top_k(jnp.array([[1.0, 3.0, 2.0, 2.0]]), k=2).tolist()
     [[-inf, 3.0, 2.0, 2.0]]
   """
+  return _one(_top_k_alone, "top_k", logits, k)
 
-top_p = _public("top_p", "top_p", apply_top_p)
-top_p.__doc__ = """Keeps the smallest high-probability set whose mass reaches p (1 disables).
 
-  Token i is kept iff the mass of the tokens strictly more probable than i is < p; ties at the
-  boundary are kept and the most probable token always is.
+def top_p(logits: jax.Array, p: jax.Array | float) -> jax.Array:
+  """top-p, the nucleus (defined in this module's docstring): p in (0, 1]; 1 disables.
 
   Examples:
     >>> import jax.numpy as jnp, jaxdecode
     >>> logits = jnp.log(jnp.array([[0.1, 0.6, 0.3]]))
-    >>> jnp.isfinite(jaxdecode.processors.top_p(logits, 0.6)).tolist()
+    >>> jnp.isfinite(jaxdecode.processors.top_p(logits, p=0.6)).tolist()
     [[False, True, False]]
   """
+  return _one(_top_p_alone, "top_p", logits, p)
 
-min_p = _public("min_p", "min_p", apply_min_p)
-min_p.__doc__ = """Keeps the tokens with probability >= min_p times the largest one (0 disables).
+
+def min_p(logits: jax.Array, min_p: jax.Array | float) -> jax.Array:
+  """min-p (defined in this module's docstring): min_p in [0, 1]; 0 disables.
 
   Examples:
     >>> import jax.numpy as jnp, jaxdecode
     >>> logits = jnp.log(jnp.array([[0.1, 0.6, 0.3]]))
-    >>> jnp.isfinite(jaxdecode.processors.min_p(logits, 0.4)).tolist()
+    >>> jnp.isfinite(jaxdecode.processors.min_p(logits, min_p=0.4)).tolist()
     [[False, True, True]]
   """
+  return _one(apply_min_p, "min_p", logits, min_p)
 
-typical_p = _public("typical_p", "typical_p", apply_typical_p)
-typical_p.__doc__ = """Locally typical sampling: keeps the most typical tokens up to mass typical_p.
 
-  Token i is kept iff the mass of the tokens strictly more typical than i is < typical_p, where
-  typicality is the distance |-log p_i - H| of a token's information to the entropy H (1
-  disables). The most typical token is always kept; the most probable one need not be.
+def typical_p(logits: jax.Array, p: jax.Array | float) -> jax.Array:
+  """Locally typical sampling (defined in this module's docstring): p in (0, 1]; 1 disables.
 
   Examples:
     >>> import jax.numpy as jnp, jaxdecode
     >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.2]]))  # H = 1.03 nats; -log p = .69, 1.2, 1.61
-    >>> jnp.isfinite(jaxdecode.processors.typical_p(logits, 0.25)).tolist()  # .3 is most typical
+    >>> jnp.isfinite(jaxdecode.processors.typical_p(logits, p=0.25)).tolist()  # .3: most typical
     [[False, True, False]]
   """
+  return _one(apply_typical_p, "typical_p", logits, p)
 
-epsilon_cutoff = _public("epsilon_cutoff", "epsilon_cutoff", apply_epsilon_cutoff)
-epsilon_cutoff.__doc__ = """Keeps the tokens with probability >= epsilon, and the most probable one.
+
+def epsilon_cutoff(logits: jax.Array, epsilon: jax.Array | float) -> jax.Array:
+  """Epsilon sampling (defined in this module's docstring): epsilon in [0, 1); 0 disables.
 
   Examples:
     >>> import jax.numpy as jnp, jaxdecode
     >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.2], [0.4, 0.35, 0.25]]))
-    >>> jnp.isfinite(jaxdecode.processors.epsilon_cutoff(logits, 0.3)).tolist()
+    >>> jnp.isfinite(jaxdecode.processors.epsilon_cutoff(logits, epsilon=0.3)).tolist()
     [[True, True, False], [True, True, False]]
   """
+  return _one(apply_epsilon_cutoff, "epsilon_cutoff", logits, epsilon)
 
-eta_cutoff = _public("eta_cutoff", "eta_cutoff", apply_eta_cutoff)
-eta_cutoff.__doc__ = """Keeps the tokens with probability >= min(eta, sqrt(eta) exp(-H)), and the top one.
+
+def eta_cutoff(logits: jax.Array, eta: jax.Array | float) -> jax.Array:
+  """Eta sampling (defined in this module's docstring): eta in [0, 1); 0 disables.
 
   The cut adapts to the entropy H: a confident (low-entropy) step cuts at eta, an uncertain one
-  cuts lower (0 disables).
+  cuts lower.
 
   Examples:
     >>> import jax.numpy as jnp, jaxdecode
     >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.2]]))  # sqrt(.25) * exp(-1.03) = 0.18
-    >>> jnp.isfinite(jaxdecode.processors.eta_cutoff(logits, 0.25)).tolist()
+    >>> jnp.isfinite(jaxdecode.processors.eta_cutoff(logits, eta=0.25)).tolist()
     [[True, True, True]]
   """
+  return _one(apply_eta_cutoff, "eta_cutoff", logits, eta)

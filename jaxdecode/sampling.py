@@ -18,27 +18,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxdecode import _checks
 from jaxdecode import processors
+from jaxdecode import threshold
 from jaxdecode.params import SamplingParams
 
 _BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
-
-
-def check_key(key, batch_size: int) -> None:
-  """Raises ValueError unless `key` is one key or `batch_size` keys, typed or legacy uint32."""
-  shape, dtype = jnp.shape(key), jnp.result_type(key)
-  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-    if shape not in ((), (batch_size,)):
-      raise ValueError(f"key must be one typed key (shape ()) or one per row (shape "
-                       f"({batch_size},)); got shape {shape}")
-    return
-  if dtype != jnp.uint32:
-    raise ValueError(f"key must be a jax.random.key(...) or a legacy uint32 jax.random.PRNGKey; "
-                     f"got dtype {dtype} with shape {shape}")
-  key_size = jax.random.key_data(jax.random.key(0)).shape[-1]
-  if shape not in ((key_size,), (batch_size, key_size)):
-    raise ValueError(f"a legacy uint32 key must have shape ({key_size},) for one key or "
-                     f"({batch_size}, {key_size}) for one per row; got shape {shape}")
 
 
 def row_keys(key, batch_size: int) -> jax.Array:
@@ -69,7 +54,7 @@ def inverse_cdf(x: jax.Array, u: jax.Array):
   batch, vocab = x.shape
   block = min(_BLOCK, vocab)
   blocks = -(-vocab // block)
-  e, m = processors._unnormalized_probs(x)  # [B, V], [B, 1]
+  e, m = threshold.unnormalized_probs(x)  # [B, V], [B, 1]
   e = jnp.pad(e, ((0, 0), (0, blocks * block - vocab))).reshape(batch, blocks, block)
 
   block_mass = jnp.sum(e, axis=-1)  # [B, nb]
@@ -102,8 +87,7 @@ def sample_rows(keys: jax.Array, logits: jax.Array, params: SamplingParams,
   logprobs). `sample_with_logprobs` and `decode` both use it.
   """
   u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)  # [B]
-  x = processors.process_f32(processors.prepare(logits), params, counts)
-  return inverse_cdf(x, u)
+  return inverse_cdf(processors.process_f32(logits, params, counts), u)
 
 
 @jax.jit
@@ -139,7 +123,8 @@ def sample_with_logprobs(key, logits: jax.Array, params: SamplingParams | None =
   """
   params = SamplingParams() if params is None else params
   params, counts = processors.check_call(logits, params, counts, caller="sample")
-  check_key(key, logits.shape[0])
+  processors.no_min_new_tokens(params, "sample")
+  _checks.key(key, logits.shape[0])
   return _sample(key, logits, params, counts)
 
 
@@ -174,11 +159,11 @@ def greedy(logits: jax.Array) -> jax.Array:
     >>> jaxdecode.greedy(jnp.array([[1.0, 3.0, 3.0], [jnp.nan, 0.0, -1.0]]))
     Array([1, 1], dtype=int32)
   """
-  processors.check_logits(logits)
+  _checks.logits(logits)
   return _greedy(logits)
 
 
 def selectable(logits: jax.Array) -> jax.Array:
   """`bool[B]`: True where a row has a token that can be selected (a non-NaN entry > -inf)."""
-  processors.check_logits(logits)
-  return jnp.any(processors.prepare(logits) > -jnp.inf, axis=-1)
+  _checks.logits(logits)
+  return jnp.any(processors.remove_nan(logits) > -jnp.inf, axis=-1)

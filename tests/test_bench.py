@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxdecode
-from jaxdecode import SamplingParams, bench
+from jaxdecode import SamplingParams
+from jaxdecode.tools import bench
 import reference
 
 SAMPLERS = ("argmax", "greedy", "sample", "top_k", "top_p", "min_p", "chain",

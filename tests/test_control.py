@@ -13,7 +13,7 @@ import pytest
 from scipy import stats
 
 import jaxdecode
-from jaxdecode import SamplingParams, decoding, processors
+from jaxdecode import SamplingParams, decoding, processors, prompts
 import reference as ref
 import toy_model
 
@@ -351,8 +351,8 @@ def test_decode_with_penalties_equals_a_python_loop_that_counts_tokens(count_pro
                           frequency_penalty=[0.0, 0.0, 0.3, 2.0, 0.5, 0.1],
                           min_new_tokens=[0, 5, 0, 3, 8, 0],
                           banned_token_ids=[[], [2], [], [], [0, 1], []])
-  tokens, lengths = decoding.left_pad(PROMPTS, buckets=None)
-  counts = (jaxdecode.token_counts(tokens, VOCAB, mask=decoding.prompt_mask(lengths, 5))
+  tokens, lengths = prompts.left_pad(PROMPTS, buckets=None)
+  counts = (jaxdecode.token_counts(tokens, VOCAB, mask=prompts.prompt_mask(lengths, 5))
             if count_prompt else jnp.zeros((batch, VOCAB), jnp.int32))
   key = jax.random.key(21)
   eos = [4, 11]
@@ -425,7 +425,7 @@ def test_decode_does_not_retrace_when_control_values_change():
     ("eta_cutoff", -0.1, "0 <= eta_cutoff < 1"),
     ("min_new_tokens", -1, "min_new_tokens must be an integer >= 0"),
     ("min_new_tokens", 2.5, "pass integers"),
-    ("banned_token_ids", [1, -2], "token ids (integers >= 0); got -2"),
+    ("banned_token_ids", [1, -2], "token ids (integers in [0, 2**31)); got -2"),
     ("banned_token_ids", [1, [2]], "banned_token_ids must be a list of token ids"),
     ("banned_token_ids", "abc", "banned_token_ids must be"),
     ("allowed_token_ids", [1.5], "got [1.5]"),

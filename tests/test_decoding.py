@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxdecode
-from jaxdecode import SamplingParams, decoding
+from jaxdecode import SamplingParams, decoding, prompts
 import toy_model
 
 VOCAB = 13
@@ -165,19 +165,19 @@ def test_vmap_over_keys_equals_one_by_one():
 
 
 def test_prompt_helpers_left_pad_with_per_row_positions_and_masks():
-  tokens, lengths = decoding.left_pad([[5, 6, 7], [9], [1, 2]], pad_id=0, buckets=(4, 8))
+  tokens, lengths = prompts.left_pad([[5, 6, 7], [9], [1, 2]], pad_id=0, buckets=(4, 8))
   assert tokens.tolist() == [[0, 5, 6, 7], [0, 0, 0, 9], [0, 0, 1, 2]]
   assert lengths.tolist() == [3, 1, 2]
-  assert decoding.prompt_positions(lengths, 4).tolist() == [[0, 0, 1, 2], [0, 0, 0, 0],
+  assert prompts.prompt_positions(lengths, 4).tolist() == [[0, 0, 1, 2], [0, 0, 0, 0],
                                                             [0, 0, 0, 1]]
-  assert decoding.prompt_mask(lengths, 4).tolist() == [[False, True, True, True],
+  assert prompts.prompt_mask(lengths, 4).tolist() == [[False, True, True, True],
                                                        [False, False, False, True],
                                                        [False, False, True, True]]
-  assert decoding.bucket_length(9, (8, 16)) == 16
+  assert prompts.bucket_length(9, (8, 16)) == 16
   with pytest.raises(ValueError, match="longer than the largest bucket 16"):
-    decoding.left_pad([[1] * 17], buckets=(8, 16))
-  with pytest.raises(ValueError, match="prompt 1 is empty"):
-    decoding.left_pad([[1], []])
+    prompts.left_pad([[1] * 17], buckets=(8, 16))
+  with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+    prompts.left_pad([[1], []])
 
 
 @pytest.mark.parametrize("change,fragment", [

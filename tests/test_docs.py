@@ -5,10 +5,13 @@ import doctest
 import pytest
 
 import jaxdecode
-from jaxdecode import params, processors, sampling
+from jaxdecode import _checks, decoding, params, processors, prompts, sampling
+from jaxdecode.models import tokenizer, transformer
+
+MODULES = [_checks, decoding, params, processors, prompts, sampling, tokenizer, transformer]
 
 
-@pytest.mark.parametrize("module", [params, processors, sampling], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0

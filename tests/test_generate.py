@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 import jaxdecode
-from jaxdecode import cli, training
+from jaxdecode.models import training
+from jaxdecode.tools import cli
 from jaxdecode.models import (ByteTokenizer, Transformer, TransformerConfig, forward, generate,
                               load_checkpoint, save_checkpoint)
 
@@ -95,7 +96,7 @@ def test_generate_rejects_bad_prompts(tiny):
   model, _ = tiny
   with pytest.raises(ValueError, match="wrap it in a list"):
     generate("hello", model=model)
-  with pytest.raises(ValueError, match="prompt 2 must be a non-empty string"):
+  with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty string"):
     generate(["a", ""], model=model)
   with pytest.raises(ValueError, match="does not fit the model's context of 64 tokens"):
     generate(["x" * 60], model=model, max_new_tokens=10)
@@ -160,11 +161,15 @@ def test_training_lowers_the_loss_on_a_repetitive_corpus(tmp_path):
   small = TransformerConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=32)
   cfg = training.TrainConfig(steps=60, batch_size=8, seq_len=32, peak_lr=1e-2, warmup_steps=5,
                              eval_every=30)
-  summary = training.train(small, cfg, corpus=str(corpus), out=str(out), log=io.StringIO())
+  trained, summary = training.train(small, cfg, corpus=str(corpus), out=str(out),
+                                    log=io.StringIO())
   first, best = summary["history"][0]["val_loss"], summary["val_loss"]
   assert best < 1.0 < math.log(259) and best <= first
   model, metadata = load_checkpoint(str(out))
   assert metadata["val_loss"] == best and model.config == small
+  # The returned weights are the saved ones (which are float16 on disk).
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float16), b),
+               nnx.split(trained)[1], nnx.split(model)[1])
 
 
 def test_training_that_never_reaches_a_finite_loss_raises_instead_of_saving(tmp_path,

@@ -12,7 +12,7 @@ from flax import nnx
 import jaxdecode
 from jaxdecode import SamplingParams, metrics
 from jaxdecode.models import (ByteTokenizer, Transformer, TransformerConfig, make_step_fn,
-                              prefill)
+                              prefill, teacher_forced_logits)
 
 NAN = float("nan")
 LN2 = math.log(2)
@@ -324,7 +324,7 @@ def test_teacher_forced_logits_are_the_logits_of_the_cached_decode_steps():
   tokens, lengths = jaxdecode.left_pad([tok.encode(p) for p in prompts], pad_id=tok.PAD,
                                        buckets=None)
   new = jnp.array([[104, 105, 257, 258, 258, 258], [32, 120, 121, 122, 40, 41]])  # [2, 6]
-  logits = metrics.teacher_forced_logits(model, tokens, lengths, new)
+  logits = teacher_forced_logits(model, tokens, lengths, new)
   assert logits.shape == (2, steps, tok.vocab_size)
   step_logits, state = prefill(graphdef, weights, tokens, lengths,
                                cache_length=tokens.shape[1] + steps)
@@ -333,7 +333,7 @@ def test_teacher_forced_logits_are_the_logits_of_the_cached_decode_steps():
     np.testing.assert_allclose(logits[:, t], step_logits, atol=1e-4, rtol=1e-4)
     step_logits, state = step_fn(state, new[:, t], lengths + t)
   # Row 0 ends with EOS at step 2: its padding after that changes none of its valid logits.
-  other = metrics.teacher_forced_logits(model, tokens, lengths, new.at[0, 3:].set(7))
+  other = teacher_forced_logits(model, tokens, lengths, new.at[0, 3:].set(7))
   np.testing.assert_allclose(other[0, :3], logits[0, :3], atol=1e-6, rtol=0)
   with pytest.raises(ValueError, match="new_tokens must have shape .2, N."):
-    metrics.teacher_forced_logits(model, tokens, lengths, new[:1])
+    teacher_forced_logits(model, tokens, lengths, new[:1])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdecode.decoding import left_pad
+from jaxdecode.prompts import left_pad
 from jaxdecode.models import ByteTokenizer
 from jaxdecode.models import DecodeState
 from jaxdecode.models import KVCache
@@ -313,9 +313,9 @@ def test_prefill_and_forward_reject_bad_lengths_and_token_ids(split):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(d_model=30, n_heads=4), r"divisible by n_heads; got: 30 / 4"),
     (dict(d_model=12, n_heads=4), r"must be even for RoPE; got: 12 / 4 = 3"),
-    (dict(n_layers=0), r"n_layers must be a positive integer; got 0"),
-    (dict(vocab_size=2.5), r"vocab_size must be a positive integer; got 2.5"),
-    (dict(max_len=True), r"max_len must be a positive integer; got True"),
+    (dict(n_layers=0), r"n_layers must be an integer >= 1; got 0"),
+    (dict(vocab_size=2.5), r"vocab_size must be an integer >= 1; got 2.5"),
+    (dict(max_len=True), r"max_len must be an integer >= 1; got True"),
     (dict(rope_base=float("nan")), r"rope_base must be a number > 1; got nan"),
 ])
 def test_config_rejects_bad_sizes(kwargs, message):

@@ -10,7 +10,7 @@ from ipykernel.kernelspec import write_kernel_spec
 from nbclient import NotebookClient
 
 import jaxdecode
-from jaxdecode import sweep
+from jaxdecode.tools import sweep
 
 NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "colab", "jaxdecode.ipynb")
 CELL_TIMEOUT_S = 300  # quick mode takes about 70 s in all on 2 CPU cores

@@ -1,4 +1,8 @@
-"""A small Flax NNX transformer with a KV cache, a byte tokenizer, embedded weights, `generate`."""
+"""The embedded model: a small Flax NNX transformer with a KV cache, its byte tokenizer,
+checkpoints, `generate`, training, and the model-based metrics.
+
+This layer builds on the core (`jaxdecode`) and never the other way round.
+"""
 
 from jaxdecode.models.checkpoint import default_metadata
 from jaxdecode.models.checkpoint import load_checkpoint
@@ -6,6 +10,7 @@ from jaxdecode.models.checkpoint import load_default
 from jaxdecode.models.checkpoint import save_checkpoint
 from jaxdecode.models.generate import Generation
 from jaxdecode.models.generate import generate
+from jaxdecode.models.metrics import teacher_forced_logits
 from jaxdecode.models.tokenizer import ByteTokenizer
 from jaxdecode.models.transformer import DecodeState
 from jaxdecode.models.transformer import KVCache
@@ -32,4 +37,5 @@ __all__ = [
     "make_step_fn",
     "prefill",
     "save_checkpoint",
+    "teacher_forced_logits",
 ]

@@ -1,4 +1,11 @@
-"""Checkpoints: one msgpack file with the model config, the weights (float16 on disk) and metadata.
+"""Checkpoints: one msgpack file with a format tag, the model config, the weights (float16 on
+disk) and metadata.
+
+Writing is atomic (`jaxdecode._files.atomic_write`): an interrupted save leaves the previous
+file whole. Reading checks everything before a model is built: the format, the config, that
+every weight the config needs is there with its shape and a float dtype and nothing else is,
+that every value is finite, and that the vocabulary is the byte tokenizer's. Any failure is one
+`ValueError` naming the file and what is wrong.
 
 The embedded default model (`default.msgpack` beside this file) is such a file, written by
 `jaxdecode train --out jaxdecode/models/default.msgpack`.
@@ -17,9 +24,12 @@ import numpy as np
 from flax import nnx
 from flax import serialization
 
+from jaxdecode import _files
+from jaxdecode.models.tokenizer import ByteTokenizer
 from jaxdecode.models.transformer import Transformer, TransformerConfig
 
 DEFAULT_PATH = os.path.join(os.path.dirname(__file__), "default.msgpack")
+FORMAT = "jaxdecode-checkpoint/1"
 
 
 def _keys_to_str(tree):
@@ -38,37 +48,123 @@ def _keys_from_str(tree):
   return tree
 
 
+def _path(keys) -> str:
+  return "/".join(str(k) for k in keys)
+
+
+def serialize(config: TransformerConfig, weights, *, metadata=None) -> bytes:
+  """The bytes of a checkpoint: `config`, `weights` (an `nnx.State`, stored as float16), JSON
+  `metadata`.
+
+  Raises:
+    ValueError: if a weight is not finite (or not finite as float16), or metadata is not JSON.
+  """
+  pure = jax.tree.map(np.asarray, nnx.to_pure_dict(weights))
+  for keys, value in jax.tree_util.tree_flatten_with_path(pure)[0]:
+    with np.errstate(over="ignore"):
+      half = value.astype(np.float16)
+    if not np.all(np.isfinite(half)):
+      where = "is not finite" if not np.all(np.isfinite(value)) else "overflows float16"
+      raise ValueError(f"weight {_path(k.key for k in keys)} {where}; refusing to save a broken "
+                       f"model")
+  try:
+    meta = json.dumps(metadata or {})
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"metadata must be JSON-serializable ({e})") from None
+  blob = {"format": FORMAT, "config": json.dumps(dataclasses.asdict(config)), "metadata": meta,
+          "weights": _keys_to_str(jax.tree.map(lambda a: a.astype(np.float16), pure))}
+  return serialization.msgpack_serialize(blob)
+
+
 def save_checkpoint(path: str, config: TransformerConfig, weights, *, metadata=None) -> None:
-  """Writes `config`, `weights` (an `nnx.State`, stored as float16) and JSON `metadata`."""
-  pure = _keys_to_str(jax.tree.map(lambda a: np.asarray(a, np.float16),
-                                   nnx.to_pure_dict(weights)))
-  blob = {"config": json.dumps(dataclasses.asdict(config)),
-          "metadata": json.dumps(metadata or {}), "weights": pure}
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "wb") as f:
-    f.write(serialization.msgpack_serialize(blob))
+  """Writes a checkpoint atomically: an existing file at `path` survives any interruption.
+
+  Raises:
+    ValueError: if `path` cannot be written (a directory, an unwritable folder) or the weights
+      are not finite; nothing is written then.
+  """
+  _files.atomic_write(path, serialize(config, weights, metadata=metadata), "checkpoint")
+
+
+def _expected_weights(config: TransformerConfig) -> dict:
+  """{path: shape} of every weight a model of `config` has (no weights are initialized)."""
+  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+  pure = nnx.to_pure_dict(nnx.state(abstract))
+  return {_path(k.key for k in keys): tuple(v.shape)
+          for keys, v in jax.tree_util.tree_flatten_with_path(pure)[0]}
+
+
+def _read(path: str) -> dict:
+  if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+    raise ValueError(f"model checkpoint must be a file path; got {path!r}")
+  path = os.fspath(path)
+  if os.path.isdir(path):
+    raise ValueError(f"model checkpoint {path!r} is a directory, not a checkpoint file")
+  if not os.path.exists(path):
+    raise ValueError(f"model checkpoint {path!r} does not exist")
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError as e:
+    raise ValueError(f"model checkpoint {path!r} cannot be read ({e.strerror})") from None
+  try:
+    blob = serialization.msgpack_restore(data)
+  except Exception as e:  # pylint: disable=broad-except  # any msgpack error means "not ours"
+    raise ValueError(f"{path!r} is not a jaxdecode checkpoint (not msgpack: "
+                     f"{type(e).__name__})") from None
+  if not isinstance(blob, dict) or not {"config", "weights"} <= set(blob):
+    raise ValueError(f"{path!r} is not a jaxdecode checkpoint (no config and weights)")
+  return blob
 
 
 def load_checkpoint(path: str):
   """`(model, metadata)` from a file written by `save_checkpoint`; weights back in float32.
 
+  Files of jaxdecode 0.1, which had no format tag, load too (same layout).
+
   Raises:
-    ValueError: if the file does not exist or is not a jaxdecode checkpoint.
+    ValueError: naming the file and the problem, if it is missing, a directory, not a
+      checkpoint, of another format version, or has a config that does not build, a missing,
+      extra or misshapen weight, a non-finite weight, or a vocabulary other than the byte
+      tokenizer's.
   """
-  if not os.path.isfile(path):
-    raise ValueError(f"model checkpoint {path!r} does not exist")
-  with open(path, "rb") as f:
-    try:
-      blob = serialization.msgpack_restore(f.read())
-      config = TransformerConfig(**json.loads(blob["config"]))
-      metadata = json.loads(blob["metadata"])
-      restored = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32),
-                              _keys_from_str(blob["weights"]))
-    except Exception as e:  # msgpack, JSON or layout errors all mean "not our file"
-      raise ValueError(f"{path!r} is not a jaxdecode checkpoint ({type(e).__name__}: {e})") from e
-  graphdef, weights = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
-  nnx.replace_by_pure_dict(weights, restored)
-  return nnx.merge(graphdef, weights), metadata
+  blob = _read(path)
+  fmt = blob.get("format", FORMAT)
+  if fmt != FORMAT:
+    raise ValueError(f"{path!r} has checkpoint format {fmt!r}; this jaxdecode reads {FORMAT!r}")
+  try:
+    config = TransformerConfig(**json.loads(blob["config"]))
+    metadata = json.loads(blob.get("metadata", "{}"))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{path!r} has an invalid config or metadata ({e})") from None
+  if config.vocab_size != ByteTokenizer.vocab_size:
+    raise ValueError(f"{path!r} has a vocabulary of {config.vocab_size} tokens, but the byte "
+                     f"tokenizer has {ByteTokenizer.vocab_size}")
+  weights = _keys_from_str(blob["weights"])
+  if not isinstance(weights, dict):
+    raise ValueError(f"{path!r} has no weight tree")
+  found = {_path(k.key for k in keys): v
+           for keys, v in jax.tree_util.tree_flatten_with_path(weights)[0]}
+  expected = _expected_weights(config)
+  missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+  if missing or extra:
+    raise ValueError(f"{path!r} does not match its config: "
+                     + "; ".join(x for x in (f"missing weights {missing[:5]}" if missing else "",
+                                             f"unknown weights {extra[:5]}" if extra else "")
+                                 if x))
+  for name, shape in expected.items():
+    value = found[name]
+    if not isinstance(value, np.ndarray) or not np.issubdtype(value.dtype, np.floating):
+      raise ValueError(f"{path!r}: weight {name} is not a float array (got "
+                       f"{type(value).__name__})")
+    if value.shape != shape:
+      raise ValueError(f"{path!r}: weight {name} has shape {value.shape}, but the config needs "
+                       f"{shape}")
+    if not np.all(np.isfinite(value)):
+      raise ValueError(f"{path!r}: weight {name} has non-finite values (NaN or inf)")
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+  nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), weights))
+  return nnx.merge(graphdef, state), metadata
 
 
 @functools.lru_cache(maxsize=1)
@@ -77,11 +173,10 @@ def _load_default():
 
 
 def load_default():
-  """`(model, tokenizer)`: the embedded model trained on CPython's pydoc topics, and its tokenizer.
+  """`(model, tokenizer)`: the embedded model and its byte tokenizer.
 
   The model's training figures (command, validation loss) are in `default_metadata()`.
   """
-  from jaxdecode.models.tokenizer import ByteTokenizer  # pylint: disable=import-outside-toplevel
   return _load_default()[0], ByteTokenizer()
 
 

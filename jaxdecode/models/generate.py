@@ -10,11 +10,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxdecode.decoding import bucket_length, decode, left_pad, prompt_mask
+from jaxdecode import _checks
+from jaxdecode.decoding import decode
+from jaxdecode.models.checkpoint import load_default
 from jaxdecode.models.tokenizer import ByteTokenizer
 from jaxdecode.models.transformer import Transformer, make_step_fn, prefill
 from jaxdecode.params import SamplingParams
 from jaxdecode.processors import token_counts
+from jaxdecode.prompts import bucket_length, left_pad, prompt_mask
 
 _STEP_FNS: dict = {}  # one jitted step function per model structure, so decode compiles once
 
@@ -75,21 +78,12 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
     ValueError: for an empty prompt list or prompt, or a prompt that with `max_new_tokens`
       does not fit the model's context (`config.max_len`).
   """
+  prompts = _checks.text_prompts(prompts)
+  max_new_tokens = _checks.integer("max_new_tokens", max_new_tokens, low=1)
   if model is None:
-    from jaxdecode.models.checkpoint import load_default  # pylint: disable=import-outside-toplevel
     model, tokenizer = load_default()
   tokenizer = tokenizer or ByteTokenizer()
   params = SamplingParams() if params is None else params
-  if isinstance(prompts, str):
-    raise ValueError("prompts must be a list of strings; got one string (wrap it in a list)")
-  if len(prompts) == 0:
-    raise ValueError("prompts must hold at least one prompt; got none")
-  for i, p in enumerate(prompts):
-    if not isinstance(p, str) or not p:
-      raise ValueError(f"prompt {i + 1} must be a non-empty string; got {p!r}")
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-      or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
 
   context = model.config.max_len
   ids = [tokenizer.encode(p) for p in prompts]

@@ -45,7 +45,11 @@ class ByteTokenizer:
     """
     if not isinstance(text, str):
       raise ValueError(f"text must be a str; got {type(text).__name__} {text!r:.80}")
-    ids = list(text.encode("utf-8"))
+    try:
+      ids = list(text.encode("utf-8"))
+    except UnicodeEncodeError as e:  # lone surrogates, e.g. non-UTF-8 bytes from a command line
+      raise ValueError(f"text is not valid Unicode at character {e.start} "
+                       f"({text[e.start:e.end]!r}): give UTF-8 text") from None
     return [self.BOS] + ids if bos else ids
 
   def decode_bytes(self, ids: Iterable[int]) -> bytes:

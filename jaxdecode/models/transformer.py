@@ -25,7 +25,7 @@ weights (after training) never recompile and are never baked into a program as c
 Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
-  >>> from jaxdecode.decoding import left_pad
+  >>> from jaxdecode.prompts import left_pad
   >>> config = TransformerConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=64)
   >>> graphdef, weights = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
   >>> tokens, lengths = left_pad([[256, 104, 105], [256, 33]], buckets=None)
@@ -49,8 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxdecode.decoding import prompt_mask
-from jaxdecode.decoding import prompt_positions
+from jaxdecode import _checks
+from jaxdecode.prompts import prompt_mask
+from jaxdecode.prompts import prompt_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +78,7 @@ class TransformerConfig:
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+      _checks.integer(name, getattr(self, name), low=1)
     if not (isinstance(self.rope_base, numbers.Real) and self.rope_base > 1):  # NaN fails too
       raise ValueError(f"rope_base must be a number > 1; got {self.rope_base!r}")
     if self.d_model % self.n_heads:

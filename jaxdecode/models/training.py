@@ -24,6 +24,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxdecode import _checks
+from jaxdecode import _files
 from jaxdecode.models.checkpoint import save_checkpoint
 from jaxdecode.models.tokenizer import ByteTokenizer
 from jaxdecode.models.transformer import Transformer, TransformerConfig
@@ -55,10 +57,15 @@ def load_corpus(path: str | None) -> np.ndarray:
   """The token stream of a text file, or of the default corpus when `path` is None."""
   if path is None:
     return encode_documents(default_corpus_documents())
-  if not os.path.isfile(path):
-    raise ValueError(f"corpus must be a readable text file; got {path!r}, which does not exist")
-  with open(path, "rb") as f:
-    data = f.read()
+  if os.path.isdir(path):
+    raise ValueError(f"corpus {path!r} is a directory; give a UTF-8 text file")
+  if not os.path.exists(path):
+    raise ValueError(f"corpus {path!r} does not exist")
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError as e:
+    raise ValueError(f"corpus {path!r} cannot be read ({e.strerror})") from None
   try:
     data.decode("utf-8")
   except UnicodeDecodeError as e:
@@ -134,13 +141,15 @@ class TrainConfig:
 
   def __post_init__(self):
     for name in ("steps", "batch_size", "seq_len", "eval_every"):
+      _checks.integer(name, getattr(self, name), low=1)
+    _checks.integer("warmup_steps", self.warmup_steps, low=0)
+    _checks.integer("seed", self.seed)
+    for name in ("peak_lr", "weight_decay", "clip_norm"):
       value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
-    if not self.peak_lr > 0:
-      raise ValueError(f"peak_lr must be > 0; got {self.peak_lr!r}")
-    if self.warmup_steps < 0:
-      raise ValueError(f"warmup_steps must be >= 0; got {self.warmup_steps!r}")
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+          math.isfinite(value) and value >= 0) or (name != "weight_decay" and value == 0):
+        raise ValueError(f"{name} must be a finite number "
+                         f"{'>= 0' if name == 'weight_decay' else '> 0'}; got {value!r}")
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -203,9 +212,27 @@ def _progress(step: int, total: int, loss: float, started: float, stream=sys.std
 
 
 def train(model_config: TransformerConfig, cfg: TrainConfig, *, corpus: str | None = None,
-          out: str | None = None, log=sys.stderr) -> dict:
-  """Trains a new model; returns a summary dict (losses, timings) and saves to `out` if given."""
-  stream = load_corpus(corpus)
+          out: str | None = None, log=sys.stderr):
+  """Trains a new model on a corpus; returns `(model, summary)`.
+
+  The model holds the weights of the evaluation with the lowest validation loss (not the last
+  step's); the summary (losses, timings, settings: JSON-ready) is also the checkpoint metadata.
+
+  Args:
+    model_config: the model's sizes.
+    cfg: the training settings.
+    corpus: a UTF-8 text file, or a token stream (an int array, e.g. `encode_documents(...)`;
+      default: `pydoc_data.topics`).
+    out: where to save a checkpoint (checked before training starts; written atomically).
+    log: where progress goes.
+
+  Raises:
+    ValueError: for a bad corpus or `out` (before any training), or if the validation loss was
+      never finite (the run diverged; nothing is saved).
+  """
+  if out is not None:
+    _files.check_output_file(out, "checkpoint")
+  stream = corpus if isinstance(corpus, np.ndarray) else load_corpus(corpus)
   train_stream, val_stream = split_stream(stream)
   model = Transformer(model_config, rngs=nnx.Rngs(cfg.seed))
   graphdef, weights = nnx.split(model)
@@ -229,18 +256,21 @@ def train(model_config: TransformerConfig, cfg: TrainConfig, *, corpus: str | No
       log.write(f"\n  step {step}: train {float(loss):.4f}  validation {val:.4f} nats/byte\n")
       if val <= best_val:  # keep the best weights, not the last (a NaN loss is never best)
         best, best_val = weights, val
+  if best is None:
+    raise ValueError(f"training diverged: the validation loss was never finite "
+                     f"({[h['val_loss'] for h in history]}); lower the learning rate and train "
+                     f"again")
   summary = _metadata(cfg, corpus, history, train_stream, val_stream)
   summary["seconds"] = time.perf_counter() - started
-  if out:
-    if best is None:
-      raise ValueError(f"training diverged: the validation loss was never finite "
-                       f"({[h['val_loss'] for h in history]}); lower --lr and train again")
+  if out is not None:
     save_checkpoint(out, model_config, best, metadata=summary)
-  return summary
+  return nnx.merge(graphdef, best), summary
 
 
 def _metadata(cfg, corpus, history, train_stream, val_stream) -> dict:
-  return {"train": dataclasses.asdict(cfg), "corpus": corpus or "pydoc_data.topics",
+  name = (f"a token stream of {len(corpus)} tokens" if isinstance(corpus, np.ndarray) else
+          corpus or "pydoc_data.topics")
+  return {"train": dataclasses.asdict(cfg), "corpus": name,
           "python": sys.version.split()[0], "train_tokens": int(len(train_stream)),
           "val_tokens": int(len(val_stream)), "history": history,
           "val_loss": min((h["val_loss"] for h in history if math.isfinite(h["val_loss"])),

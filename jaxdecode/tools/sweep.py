@@ -1,6 +1,6 @@
 """The sampling sweep: degeneration metrics for a grid of settings, as a CSV and a plot.
 
-Run it as `jaxdecode sweep [--quick] --out DIR` (or `python -m jaxdecode.sweep`). It continues a
+Run it as `jaxdecode sweep [--quick] --out DIR` (or `python -m jaxdecode.tools.sweep`). It continues a
 few English / Python-doc prompts with the embedded model (`jaxdecode.models.load_default()`) under
 every setting of `GRID`:
 
@@ -16,7 +16,7 @@ i gets the same key under every setting (`fold_in(key(seed), i)`), so the settin
 by their parameters, never by their random numbers; and since a row depends only on its key,
 prompt and params, each row is exactly what `generate([prompt], params=setting, key=that key)`
 gives alone. The raw model logits at every generated step come from one teacher-forced forward
-pass over prompt + generated text (`metrics.teacher_forced_logits`).
+pass over prompt + generated text (`jaxdecode.models.teacher_forced_logits`).
 
 Outputs in the `out` folder:
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import io
 import math
 import os
 import sys
@@ -45,9 +46,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode import _checks
+from jaxdecode import _files
 from jaxdecode import metrics
-from jaxdecode._args import OneLineParser, non_negative_int
+from jaxdecode.models import ByteTokenizer, generate, load_default, teacher_forced_logits
 from jaxdecode.params import SamplingParams
+from jaxdecode.prompts import left_pad
+from jaxdecode.tools._args import OneLineParser, non_negative_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,30 +112,6 @@ COLUMN_NOTES = {
 
 _FAMILY_COLOURS = {"greedy": "black", "temperature": "tab:red", "top-k": "tab:blue",
                    "top-p": "tab:green", "min-p": "tab:purple"}
-
-
-def _check_out_dir(out_dir) -> str:
-  if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir):
-    raise ValueError(f"out_dir must be a folder path; got {out_dir!r}")
-  path = os.fspath(out_dir)
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise ValueError(f"out_dir {path!r} exists and is not a folder")
-  try:
-    os.makedirs(path, exist_ok=True)
-  except OSError as e:
-    raise ValueError(f"cannot create the folder {path!r} ({e.strerror})") from None
-  if not os.access(path, os.W_OK):
-    raise ValueError(f"the folder {path!r} is not writable")
-  return path
-
-
-def _check_prompts(prompts) -> tuple[str, ...]:
-  if isinstance(prompts, str) or not prompts:
-    raise ValueError(f"prompts must be a non-empty list of strings; got {prompts!r:.80}")
-  for i, p in enumerate(prompts):
-    if not isinstance(p, str) or not p:
-      raise ValueError(f"prompt {i + 1} must be a non-empty string; got {p!r}")
-  return tuple(prompts)
 
 
 def grid_params(grid: Sequence[Setting], prompts_per_setting: int) -> SamplingParams:
@@ -212,14 +193,11 @@ def run_sweep(out_dir, *, quick: bool = False, seed: int = 0, prompts: Sequence[
   Raises:
     ValueError: for a bad folder, prompt, seed or `max_new_tokens`, before anything compiles.
   """
-  # pylint: disable=import-outside-toplevel
-  from jaxdecode.decoding import left_pad
-  from jaxdecode.models import ByteTokenizer, generate, load_default
   started = time.perf_counter()
   say = progress or (lambda line: None)
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-    raise ValueError(f"seed must be an integer >= 0; got {seed!r}")
-  prompts = _check_prompts((QUICK_PROMPTS if quick else PROMPTS) if prompts is None else prompts)
+  seed = _checks.integer("seed", seed, low=0, high=2**63 - 1)
+  prompts = _checks.text_prompts((QUICK_PROMPTS if quick else PROMPTS) if prompts is None
+                                 else prompts)
   if max_new_tokens is None:
     max_new_tokens = QUICK_MAX_NEW_TOKENS if quick else MAX_NEW_TOKENS
   grid = tuple(grid)
@@ -229,7 +207,7 @@ def run_sweep(out_dir, *, quick: bool = False, seed: int = 0, prompts: Sequence[
   if len(set(names)) != len(names):
     raise ValueError(f"grid settings need distinct names; got {names}")
   params = grid_params(grid, len(prompts))  # validates every value
-  out_dir = _check_out_dir(out_dir)
+  out_dir = _files.check_output_dir(out_dir, "sweep output folder")
   if model is None:
     model, _ = load_default()
   tok = ByteTokenizer()
@@ -244,7 +222,7 @@ def run_sweep(out_dir, *, quick: bool = False, seed: int = 0, prompts: Sequence[
       f"the model (teacher forcing)")
   prompt_tokens, prompt_lengths = left_pad([tok.encode(p) for p in prompts] * n_settings,
                                            pad_id=tok.PAD, buckets=None)
-  logits = metrics.teacher_forced_logits(model, prompt_tokens, prompt_lengths, gen.tokens)
+  logits = teacher_forced_logits(model, prompt_tokens, prompt_lengths, gen.tokens)
   log_likelihoods = np.asarray(metrics.token_log_likelihoods(logits, gen.tokens, gen.lengths))
   entropies = np.asarray(metrics.step_entropies(logits, params, gen.lengths))
   del logits
@@ -268,12 +246,15 @@ def run_sweep(out_dir, *, quick: bool = False, seed: int = 0, prompts: Sequence[
   csv_path = os.path.join(out_dir, "sweep.csv")
   write_csv(rows, csv_path)
   png_path = os.path.join(out_dir, "sweep.png")
-  plot(rows, grid, png_path, title=f"{n_prompts} prompts x {max_new_tokens} new tokens, "
-                                   f"seed {seed}, the same keys for every setting")
+  if not plot(rows, grid, png_path, title=f"{n_prompts} prompts x {max_new_tokens} new tokens, "
+                                          f"seed {seed}, the same keys for every setting"):
+    say("matplotlib is not installed: no sweep.png (pip install 'jaxdecode[plot]')")
+    png_path = None
   samples_path = os.path.join(out_dir, "samples.txt")
   write_samples(grid, prompts, texts, samples_path)
   seconds = time.perf_counter() - started
-  say(f"wrote {csv_path}, {png_path} and {samples_path} ({seconds:.0f} s in all)")
+  say(f"wrote {', '.join(p for p in (csv_path, png_path, samples_path) if p)} "
+      f"({seconds:.0f} s in all)")
   return {"rows": rows, "csv": csv_path, "png": png_path, "samples": samples_path, "grid": grid,
           "prompts": prompts, "max_new_tokens": int(max_new_tokens), "seed": int(seed),
           "seconds": seconds, "texts": texts, **arrays}
@@ -289,22 +270,25 @@ def _format(column: str, value) -> str:
 
 
 def write_csv(rows: Sequence[dict], path: str) -> None:
-  """One line per setting, the columns of `COLUMNS`; floats with 4 decimals."""
-  with open(path, "w", newline="", encoding="utf-8") as f:
-    writer = csv.writer(f)
-    writer.writerow(COLUMNS)
-    for row in rows:
-      writer.writerow([_format(c, row[c]) for c in COLUMNS])
+  """One line per setting, the columns of `COLUMNS`; floats with 4 decimals (written
+  atomically)."""
+  text = io.StringIO(newline="")
+  writer = csv.writer(text)
+  writer.writerow(COLUMNS)
+  for row in rows:
+    writer.writerow([_format(c, row[c]) for c in COLUMNS])
+  _files.atomic_write_text(path, text.getvalue(), "sweep table")
 
 
 def write_samples(grid: Sequence[Setting], prompts: Sequence[str], texts, path: str) -> None:
-  """Every setting's continuation of every prompt, as plain text."""
-  with open(path, "w", encoding="utf-8") as f:
-    for setting, row in zip(grid, texts):
-      f.write(f"=== {setting.name}\n")
-      for prompt, text in zip(prompts, row):
-        f.write(f"--- {prompt!r}\n{prompt}{text}\n")
-      f.write("\n")
+  """Every setting's continuation of every prompt, as plain text (written atomically)."""
+  parts = []
+  for setting, row in zip(grid, texts):
+    parts.append(f"=== {setting.name}\n")
+    for prompt, text in zip(prompts, row):
+      parts.append(f"--- {prompt!r}\n{prompt}{text}\n")
+    parts.append("\n")
+  _files.atomic_write_text(path, "".join(parts), "sweep samples")
 
 
 def format_table(rows: Sequence[dict]) -> str:
@@ -351,14 +335,19 @@ def _label_points(fig, ax, x, y, names, colours) -> None:
       label.remove()
 
 
-def plot(rows: Sequence[dict], grid: Sequence[Setting], path: str, *, title: str = "") -> None:
+def plot(rows: Sequence[dict], grid: Sequence[Setting], path: str, *, title: str = "") -> bool:
   """Writes the PNG: distinct-3 and repetition against log-likelihood, one labelled dot each.
 
   Drawn with matplotlib's Agg canvas directly (no pyplot, so no global backend or figure state).
+  matplotlib is an optional extra (`pip install 'jaxdecode[plot]'`): without it nothing is
+  written and this returns False.
   """
-  # pylint: disable=import-outside-toplevel
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
+  try:  # optional: the only matplotlib use in the project
+    # pylint: disable=import-outside-toplevel
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+  except ImportError:
+    return False
 
   x = np.array([row["log_likelihood"] for row in rows])
   panels = [("distinct_3", "diversity: distinct-3 (distinct / all 3-grams)",
@@ -386,7 +375,10 @@ def plot(rows: Sequence[dict], grid: Sequence[Setting], path: str, *, title: str
   for ax, (column, _, _) in zip(axes, panels):
     _label_points(fig, ax, x, np.array([row[column] for row in rows]), [s.name for s in grid],
                   [_colour(s.family) for s in grid])
-  fig.savefig(path)
+  png = io.BytesIO()
+  fig.savefig(png, format="png")
+  _files.atomic_write(path, png.getvalue(), "sweep plot")
+  return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,7 +386,7 @@ def plot(rows: Sequence[dict], grid: Sequence[Setting], path: str, *, title: str
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-  """The command's flags (shared by `jaxdecode sweep` and `python -m jaxdecode.sweep`)."""
+  """The command's flags (shared by `jaxdecode sweep` and `python -m jaxdecode.tools.sweep`)."""
   parser.add_argument("--out", required=True, metavar="DIR",
                       help="folder for sweep.csv, sweep.png and samples.txt (created if missing)")
   parser.add_argument("--quick", action="store_true",
@@ -408,12 +400,12 @@ def run_command(args: argparse.Namespace) -> int:
   result = run_sweep(args.out, quick=args.quick, seed=args.seed,
                      progress=lambda line: print(f"[sweep] {line}", file=sys.stderr, flush=True))
   print(format_table(result["rows"]), end="")
-  print(f"wrote {result['csv']}, {result['png']} and {result['samples']} in "
-        f"{result['seconds']:.0f} s")
+  written = [p for p in (result["csv"], result["png"], result["samples"]) if p]
+  print(f"wrote {', '.join(written)} in {result['seconds']:.0f} s")
   return 0
 
 
-def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jaxdecode.sweep") -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jaxdecode.tools.sweep") -> int:
   """The command line; returns the exit status (2 with one error line for a user mistake)."""
   argv = sys.argv[1:] if argv is None else list(argv)
   parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
@@ -424,8 +416,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jaxdecode.
     return int(e.code or 0)
   try:
     return run_command(args)
-  except ValueError as e:
-    print(f"{prog}: error: {e}", file=sys.stderr)
+  except (ValueError, OSError, OverflowError) as e:
+    print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
 
 

@@ -1,15 +1,30 @@
 """The `jaxdecode` command: generate, eval, train, bench, sweep.
 
-A user's mistake (a bad flag, value or file) gets a one-line error and exit status 2, never a
-traceback.
+A user's mistake (a bad flag, value, file or output path) gets a one-line error and exit status
+2, never a traceback; paths are checked before any long work starts. SIGTERM and Ctrl-C stop
+the command cleanly: files being written are left as they were (see `jaxdecode._files`).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import signal
 import sys
 
-from jaxdecode._args import OneLineParser, integer, number, positive_int
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxdecode import _checks
+from jaxdecode import _files
+from jaxdecode import models
+from jaxdecode.models import training
+from jaxdecode.params import SamplingParams
+from jaxdecode.tools import bench
+from jaxdecode.tools import sweep
+from jaxdecode.tools._args import OneLineParser, integer, number, positive_int, seed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="count the prompt's tokens for the penalties (default: only new tokens)")
   g.add_argument("--min-new-tokens", type=integer, default=0,
                  help="no end of text before this many new tokens")
-  g.add_argument("--seed", type=integer, default=0)
+  g.add_argument("--seed", type=seed, default=0)
   g.add_argument("--max-new-tokens", type=positive_int, default=160)
   g.add_argument("--greedy", action="store_true", help="temperature 0 (overrides --temperature)")
   g.add_argument("--model", default=None, help="a checkpoint from `jaxdecode train` "
@@ -46,21 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
   t = sub.add_parser("train", help="train the small transformer with optax")
   t.add_argument("--corpus", default=None,
                  help="a UTF-8 text file (default: CPython's bundled pydoc_data.topics)")
-  t.add_argument("--out", default="jaxdecode_model.msgpack", help="checkpoint path")
+  t.add_argument("--out", default="jaxdecode_model.msgpack",
+                 help="checkpoint path (checked before training; written atomically)")
   t.add_argument("--steps", type=positive_int, default=1200)
   t.add_argument("--batch-size", type=positive_int, default=16)
   t.add_argument("--seq-len", type=positive_int, default=256)
   t.add_argument("--lr", type=number, default=2e-3)
   t.add_argument("--warmup-steps", type=integer, default=100)
   t.add_argument("--eval-every", type=positive_int, default=100)
-  t.add_argument("--seed", type=integer, default=0)
+  t.add_argument("--seed", type=seed, default=0)
   t.add_argument("--d-model", type=positive_int, default=256)
   t.add_argument("--layers", type=positive_int, default=4)
   t.add_argument("--heads", type=positive_int, default=4)
   t.add_argument("--d-ff", type=positive_int, default=1024)
   t.add_argument("--max-len", type=positive_int, default=256)
   sub.add_parser("bench", help="the benchmark suite (see `jaxdecode bench --help`)")
-  from jaxdecode import sweep  # pylint: disable=import-outside-toplevel
   sweep.add_arguments(sub.add_parser(
       "sweep", help="degeneration metrics of 13 sampling settings: a CSV table and a plot",
       description=sweep.__doc__.splitlines()[0]))
@@ -68,22 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> None:
-  from jaxdecode import training  # pylint: disable=import-outside-toplevel
-  from jaxdecode.models import TransformerConfig  # pylint: disable=import-outside-toplevel
   if args.seq_len > args.max_len:
     raise ValueError(f"--seq-len {args.seq_len} is longer than --max-len {args.max_len}")
-  model_config = TransformerConfig(d_model=args.d_model, n_layers=args.layers,
-                                   n_heads=args.heads, d_ff=args.d_ff, max_len=args.max_len)
+  model_config = models.TransformerConfig(d_model=args.d_model, n_layers=args.layers,
+                                          n_heads=args.heads, d_ff=args.d_ff,
+                                          max_len=args.max_len)
   cfg = training.TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                              peak_lr=args.lr, warmup_steps=args.warmup_steps,
                              eval_every=args.eval_every, seed=args.seed)
-  summary = training.train(model_config, cfg, corpus=args.corpus, out=args.out)
+  _, summary = training.train(model_config, cfg, corpus=args.corpus, out=args.out)
   print(f"best validation loss {summary['val_loss']:.4f} nats/byte after {cfg.steps} steps "
         f"({summary['seconds'] / 60:.1f} min); saved {args.out}")
 
 
 def _load_model(path):
-  from jaxdecode import models  # pylint: disable=import-outside-toplevel
   if path is None:
     return models.load_default()[0]
   return models.load_checkpoint(path)[0]
@@ -94,8 +107,6 @@ _CONTROL = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetit
 
 
 def _generate(args) -> None:
-  from jaxdecode import SamplingParams  # pylint: disable=import-outside-toplevel
-  from jaxdecode.models import generate  # pylint: disable=import-outside-toplevel
   for i, prompt in enumerate(args.prompts):
     if not prompt.strip():
       raise ValueError(f"prompt {i + 1} is empty; give some text to continue")
@@ -105,8 +116,8 @@ def _generate(args) -> None:
   params = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, **control)
   model = _load_model(args.model)
-  out = generate(args.prompts, model=model, params=params, seed=args.seed,
-                 max_new_tokens=args.max_new_tokens, penalize_prompt=args.penalize_prompt)
+  out = models.generate(args.prompts, model=model, params=params, seed=args.seed,
+                        max_new_tokens=args.max_new_tokens, penalize_prompt=args.penalize_prompt)
   for i, (prompt, text) in enumerate(zip(args.prompts, out.texts)):
     print(f"--- [{i + 1}] {prompt!r}")
     print(prompt + text)
@@ -120,11 +131,8 @@ def _generate(args) -> None:
 
 
 def _eval(args) -> None:
-  import math  # pylint: disable=import-outside-toplevel
-  import os  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from jaxdecode import training  # pylint: disable=import-outside-toplevel
+  if os.path.isdir(args.file):
+    raise ValueError(f"{args.file!r} is a directory; give a text file")
   if not os.path.isfile(args.file):
     raise ValueError(f"{args.file!r} is not a readable file")
   with open(args.file, "rb") as f:
@@ -137,44 +145,49 @@ def _eval(args) -> None:
   print(f"{nats:.4f} nats/byte ({nats / math.log(2):.4f} bits/byte) over {data.size} bytes")
 
 
-def _sweep(args) -> None:
-  from jaxdecode import sweep  # pylint: disable=import-outside-toplevel
-  sweep.run_command(args)
-
-
-COMMANDS = {"generate": _generate, "eval": _eval, "train": _train}
-COMMANDS["sweep"] = _sweep
+COMMANDS = {"generate": _generate, "eval": _eval, "train": _train, "sweep": sweep.run_command}
 
 
 def _enable_compilation_cache() -> None:
   """Keeps compiled programs on disk, so a second `jaxdecode generate` skips most compiling."""
-  import os  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
   path = os.environ.get("JAXDECODE_CACHE_DIR",
                         os.path.join(os.path.expanduser("~"), ".cache", "jaxdecode", "xla"))
   try:
-    os.makedirs(path, exist_ok=True)
-  except OSError:
+    _files.check_output_dir(path, "compilation cache folder")
+  except ValueError:
     return  # an unwritable home: run without the cache
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def _raise_system_exit(signum, frame):
+  del frame
+  raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
+  """Runs the command; returns its exit status (2 for a user's mistake, in one line)."""
   argv = sys.argv[1:] if argv is None else list(argv)
   if argv[:1] == ["bench"]:  # the suite parses its own flags (argparse cannot pass them through)
-    from jaxdecode import bench  # pylint: disable=import-outside-toplevel
     return bench.main(argv[1:], prog="jaxdecode bench")
   try:
     args = build_parser().parse_args(argv)
   except SystemExit as e:  # --help (0) or a bad command line (2, already reported in one line)
     return int(e.code or 0)
   _enable_compilation_cache()
+  # SIGTERM unwinds like Ctrl-C, so that half-written temporary files are removed.
+  previous = signal.signal(signal.SIGTERM, _raise_system_exit)
   try:
     return COMMANDS[args.command](args) or 0
-  except ValueError as e:
-    print(f"jaxdecode {args.command}: error: {e}", file=sys.stderr)
+  except (ValueError, OSError, OverflowError) as e:
+    message = str(e) or type(e).__name__
+    print(f"jaxdecode {args.command}: error: {' '.join(message.split())}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    print(f"jaxdecode {args.command}: interrupted", file=sys.stderr)
+    return 130
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -44,3 +44,14 @@ def number(text: str) -> float:
     return float(text)
   except ValueError:
     raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def seed(text: str) -> int:
+  """A PRNG seed: an integer that fits int64 (what `jax.random.key` takes)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+  if not -2**63 <= value < 2**63:
+    raise argparse.ArgumentTypeError(f"expected a seed in [-2**63, 2**63), got {text}")
+  return value

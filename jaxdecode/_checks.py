@@ -1,0 +1,201 @@
+"""Argument checks, in one place: each raises `ValueError` naming the argument, its value and
+what is allowed, before anything is traced or compiled.
+
+Values that are only known under `jit` (tracers) cannot be checked; the functions here let them
+through, and the code that uses them masks or sanitizes them by a documented rule.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_INT32 = np.iinfo(np.int32)
+
+
+def is_traced(x) -> bool:
+  """True for a value only known under a transformation (a tracer)."""
+  return isinstance(x, jax.core.Tracer)
+
+
+def integer(name: str, value, *, low: int | None = None, high: int | None = None) -> int:
+  """A Python int in [low, high] (either bound optional); booleans are refused.
+
+  Examples:
+    >>> integer("max_new_tokens", 5, low=1)
+    5
+    >>> integer("max_new_tokens", True, low=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: max_new_tokens must be an integer >= 1; got True
+  """
+  words = ("an integer" + (f" in [{low}, {high}]" if low is not None and high is not None else
+                           f" >= {low}" if low is not None else
+                           f" <= {high}" if high is not None else ""))
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    raise ValueError(f"{name} must be {words}; got {value!r}")
+  value = int(value)
+  if (low is not None and value < low) or (high is not None and value > high):
+    raise ValueError(f"{name} must be {words}; got {value!r}")
+  return value
+
+
+def boolean(name: str, value) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name} must be True or False; got {value!r}")
+  return bool(value)
+
+
+def instance(name: str, value, cls: type, what: str):
+  """`value` if it is a `cls`; else ValueError ("{name} must be {what}; got {type}")."""
+  if not isinstance(value, cls):
+    raise ValueError(f"{name} must be {what}; got {type(value).__name__}")
+  return value
+
+
+def array(name: str, value, what: str):
+  """`value` as an array (jax arrays and tracers unchanged, anything else through numpy).
+
+  Lists of numbers become arrays; ragged lists, strings, objects and integers too large for any
+  dtype raise ValueError ("{name} must be {what}") instead of numpy's TypeError/OverflowError.
+  """
+  if isinstance(value, (jax.Array, np.ndarray)) or is_traced(value):
+    return value
+  try:
+    host = np.asarray(value)
+  except (TypeError, ValueError, OverflowError) as e:
+    raise ValueError(f"{name} must be {what}; got {value!r:.80} ({e})") from None
+  if host.dtype == object or host.dtype.kind in "USV":
+    raise ValueError(f"{name} must be {what}; got {value!r:.80}")
+  return host
+
+
+def logits(value, name: str = "logits") -> tuple[int, int]:
+  """Checks a floating `[B, V]` array with V >= 1; returns (B, V)."""
+  value = array(name, value, "a floating-point array [B, V]")
+  shape = jnp.shape(value)
+  if len(shape) != 2:
+    hint = " For one row use logits[None]." if len(shape) == 1 else (
+        " For extra leading axes use jax.vmap." if len(shape) > 2 else "")
+    raise ValueError(f"{name} must have shape [B, V] (rank 2); got shape {shape}.{hint}")
+  dtype = jnp.result_type(value)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{name} must be a floating-point array (float32, bfloat16, float16, ...); "
+                     f"got dtype {dtype}")
+  if shape[1] < 1:
+    raise ValueError(f"{name} must have a vocabulary of at least one token; got shape {shape}")
+  return shape
+
+
+def row_integers(name: str, value, batch: int, what: str = "one per row") -> jax.Array:
+  """An integer array `[batch]` (e.g. positions), as int32; concrete values must fit int32."""
+  value = array(name, value, f"an integer array of shape ({batch},), {what}")
+  shape, dtype = jnp.shape(value), jnp.result_type(value)
+  if shape != (batch,) or not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array of shape ({batch},), {what}; got shape "
+                     f"{shape} and dtype {dtype}")
+  if not is_traced(value):
+    host = np.asarray(value)
+    if host.size and (host.min() < _INT32.min or host.max() > _INT32.max):
+      raise ValueError(f"{name} must fit in int32; got {host.tolist()}")
+  return jnp.asarray(value, jnp.int32)
+
+
+def counts(value, batch: int, vocab: int) -> jax.Array:
+  """Per-row token counts: an integer array `[B, V]` of values in [0, 2**31); as int32."""
+  what = (f"an integer array of shape ({batch}, {vocab}) (how often each row has seen each "
+          f"token; see jaxdecode.token_counts)")
+  value = array("counts", value, what)
+  shape, dtype = jnp.shape(value), jnp.result_type(value)
+  if shape != (batch, vocab) or not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"counts must be {what}; got shape {shape} and dtype {dtype}")
+  if not is_traced(value):
+    host = np.asarray(value)
+    if host.size and (host.min() < 0 or host.max() > _INT32.max):
+      raise ValueError(f"counts must be in [0, {_INT32.max}] (int32); got values from "
+                       f"{host.min()} to {host.max()}")
+  return jnp.asarray(value, jnp.int32)
+
+
+def token_ids(name: str, ids, vocab: int, *, many: bool) -> jax.Array:
+  """Token ids in [0, vocab): a list / 1-D array (`many`) or one id; returned as int32.
+
+  Traced ids are returned unchecked: the code that uses them drops ids outside [0, vocab).
+  """
+  if is_traced(ids):
+    return jnp.asarray(ids, jnp.int32)
+  what = "a list of token ids" if many else "one token id"
+  if isinstance(ids, (bool, np.bool_)):
+    raise ValueError(f"{name} must be {what}; got {ids!r}")
+  host = array(name, ids, what)
+  host = np.asarray(host)
+  if host.ndim not in ((0, 1) if many else (0,)):
+    raise ValueError(f"{name} must be {what}; got {ids!r:.80}")
+  if host.size and not np.issubdtype(host.dtype, np.integer):
+    raise ValueError(f"{name} must be integer token ids; got {ids!r:.80}")
+  bad = host[(host < 0) | (host >= vocab)] if host.size else host
+  if bad.size:
+    raise ValueError(f"{name} must be token ids in [0, {vocab}) (the vocabulary); got "
+                     f"{bad.tolist()!r}")
+  return jnp.asarray(host.reshape(-1) if many else host, jnp.int32)
+
+
+def token_prompts(prompts, vocab: int | None = None) -> list[list[int]]:
+  """A non-empty list of non-empty token-id lists (ids in [0, vocab) when vocab is given)."""
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)) \
+      or len(prompts) == 0:
+    raise ValueError(f"prompts must be a non-empty list of token-id lists; got {prompts!r:.80}")
+  out = []
+  for i, prompt in enumerate(prompts):
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (Sequence, np.ndarray)):
+      raise ValueError(f"prompts[{i}] must be a list of token ids; got {prompt!r:.80}")
+    if len(prompt) == 0:
+      raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+    ids = []
+    for token in prompt:
+      if isinstance(token, (bool, np.bool_)) or not isinstance(token, numbers.Integral) \
+          or token < 0 or (vocab is not None and token >= vocab) or token > _INT32.max:
+        bound = f"[0, {vocab})" if vocab is not None else "[0, 2**31)"
+        raise ValueError(f"prompts[{i}] must hold token ids in {bound}; got {token!r}")
+      ids.append(int(token))
+    out.append(ids)
+  return out
+
+
+def text_prompts(prompts) -> tuple[str, ...]:
+  """A non-empty list of non-empty strings."""
+  if isinstance(prompts, str):
+    raise ValueError("prompts must be a list of strings; got one string (wrap it in a list)")
+  if not isinstance(prompts, (Sequence, np.ndarray)) or len(prompts) == 0:
+    raise ValueError(f"prompts must be a non-empty list of strings; got {prompts!r:.80}")
+  for i, prompt in enumerate(prompts):
+    if not isinstance(prompt, str) or not prompt:
+      raise ValueError(f"prompts[{i}] must be a non-empty string; got {prompt!r:.80}")
+  return tuple(prompts)
+
+
+def key(key, batch_size: int) -> None:
+  """Raises ValueError unless `key` is one key or `batch_size` keys, typed or legacy uint32."""
+  shape, dtype = jnp.shape(key), jnp.result_type(key)
+  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    if shape not in ((), (batch_size,)):
+      raise ValueError(f"key must be one typed key (shape ()) or one per row (shape "
+                       f"({batch_size},)); got shape {shape}")
+    return
+  if dtype != jnp.uint32:
+    raise ValueError(f"key must be a jax.random.key(...) or a legacy uint32 jax.random.PRNGKey; "
+                     f"got dtype {dtype} with shape {shape}")
+  key_size = jax.random.key_data(jax.random.key(0)).shape[-1]
+  if shape not in ((key_size,), (batch_size, key_size)):
+    raise ValueError(f"a legacy uint32 key must have shape ({key_size},) for one key or "
+                     f"({batch_size}, {key_size}) for one per row; got shape {shape}")
+
+
+def one_of(name: str, value, allowed: Sequence[Any]):
+  if value not in allowed:
+    raise ValueError(f"{name} must be one of {list(allowed)}; got {value!r}")
+  return value

@@ -1,0 +1,241 @@
+"""The loop skeleton: the state and the named steps that every decoding loop is made of.
+
+`decode`, speculative decoding and beam search share this bookkeeping rather than each writing
+it again:
+
+- `LoopSpec`: what stays fixed through a loop (row keys, params, EOS ids, pad id, positions,
+  user logit processors), all traced data;
+- `LoopState`: what changes (the model's state, each row's newest token, the new tokens and
+  their log-probabilities so far, lengths, finished rows, penalty counts);
+- `draw`: the token of step t of each row, exactly as `decode` draws it (user processors,
+  `min_new_tokens`, the processor chain, key `fold_in(row_key, t)`), so that any loop that draws
+  through it gives `decode`'s tokens;
+- `record`: appends one token to the rows that are still live (EOS, pad, lengths, counts);
+- `run_chunks`: repeats a step in scanned chunks and stops after the first chunk that leaves no
+  live row.
+
+Key policy: step t of a row (t = the tokens that row has generated before) samples with
+`fold_in(row_key, t)`, whatever loop draws it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxdecode import processors
+from jaxdecode import sampling
+from jaxdecode.params import SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeContext:
+  """What a user logit processor sees besides the logits (shapes for B rows, N new tokens).
+
+  Attributes:
+    step: int32[B], the tokens each row has generated before this one (the t of its key).
+    tokens: int32[B, N], the new tokens so far (pad_id from `step` on).
+    counts: int32[B, V], how often each row has seen each token (the penalties' counts).
+  """
+  step: jax.Array
+  tokens: jax.Array
+  counts: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+  """The loop's fixed inputs (traced, so new values never recompile).
+
+  Attributes:
+    row_keys: typed keys [B], one per row (the key policy).
+    params: `SamplingParams`, broadcast to B rows and sanitized.
+    is_eos: bool[V], the EOS ids as a mask (ids outside [0, V) ignored).
+    pad_id: int32[], written after a row's end and fed to the model for finished rows.
+    positions: int32[B], the position of each row's first new token.
+    logits_processors: a tuple of user processors `(logits [B, V], DecodeContext) -> logits`
+      (pytrees: their array leaves are traced).
+  """
+  row_keys: jax.Array
+  params: SamplingParams
+  is_eos: jax.Array
+  pad_id: jax.Array
+  positions: jax.Array
+  logits_processors: tuple = ()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+  """What a loop carries from step to step (B rows, at most N new tokens each).
+
+  Attributes:
+    model_state: the step function's state (e.g. weights and KV cache).
+    last: int32[B], each row's newest token, not yet fed to the model (pad_id once finished).
+    tokens: int32[B, N], the new tokens so far; pad_id elsewhere.
+    logprobs: float32[B, N], their log-probabilities (0 elsewhere).
+    lengths: int32[B], new tokens so far, an EOS included.
+    finished: bool[B], True once the row emitted an EOS id.
+    counts: int32[B, V], token counts for the penalties.
+  """
+  model_state: Any
+  last: jax.Array
+  tokens: jax.Array
+  logprobs: jax.Array
+  lengths: jax.Array
+  finished: jax.Array
+  counts: jax.Array
+
+  def replace(self, **changes) -> "LoopState":
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def live(self) -> jax.Array:
+    """bool[B]: rows that still generate (no EOS yet, fewer than N tokens)."""
+    return ~self.finished & (self.lengths < self.tokens.shape[1])
+
+
+def eos_mask(eos_ids: jax.Array, vocab: int) -> jax.Array:
+  """bool[V]: True at the EOS ids; ids outside [0, V) (traced -1 padding, say) are ignored."""
+  return jnp.zeros(vocab, bool).at[processors.valid_ids(eos_ids, vocab)].set(True, mode="drop")
+
+
+def checked_pad_id(pad_id: jax.Array, vocab: int) -> jax.Array:
+  """int32[]: a traced pad id outside [0, V) becomes 0 (concrete ones were checked)."""
+  pad_id = jnp.asarray(pad_id, jnp.int32)
+  return jnp.where((pad_id >= 0) & (pad_id < vocab), pad_id, 0)
+
+
+def init_state(spec: LoopSpec, model_state, counts: jax.Array, max_new_tokens: int) -> LoopState:
+  """The state before the first token: empty buffers (pad_id, 0), nothing finished."""
+  batch = spec.positions.shape[0]
+  return LoopState(model_state=model_state,
+                   last=jnp.full((batch,), spec.pad_id, jnp.int32),
+                   tokens=jnp.full((batch, max_new_tokens), spec.pad_id, jnp.int32),
+                   logprobs=jnp.zeros((batch, max_new_tokens), jnp.float32),
+                   lengths=jnp.zeros((batch,), jnp.int32),
+                   finished=jnp.zeros((batch,), bool), counts=counts)
+
+
+def draw(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array):
+  """Step `step[b]` of each row: `(tokens int32[B], logprobs float32[B])`, as `decode` draws it.
+
+  In order: the user logit processors, then EOS ids masked where `step < min_new_tokens`, then
+  `sampling.sample_rows` (the processor chain; key `fold_in(row_key, step)`). Rows that are not
+  live get a token too; `record` ignores it.
+
+  Args:
+    spec: the loop's fixed inputs.
+    state: the current state (its tokens and counts feed the processors and penalties).
+    logits: [B, V] the model's logits for this step.
+    step: int32[B].
+  """
+  if spec.logits_processors:
+    context = DecodeContext(step=step, tokens=state.tokens, counts=state.counts)
+    logits = logits.astype(jnp.float32)
+    for processor in spec.logits_processors:
+      logits = processor(logits, context)
+  blocked = step < spec.params.min_new_tokens  # [B]: EOS not allowed yet
+  logits = lax.cond(jnp.any(blocked) & jnp.any(spec.is_eos),
+                    lambda x: jnp.where(blocked[:, None] & spec.is_eos[None, :], -jnp.inf, x),
+                    lambda x: x, logits)
+  keys = jax.vmap(jax.random.fold_in)(spec.row_keys, step)
+  return sampling.sample_rows(keys, logits, spec.params, state.counts)
+
+
+def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Array,
+           live: jax.Array | None = None) -> LoopState:
+  """Appends `token[b]` (with `logprob[b]`) to every row b that is `live` (default: `state.live`).
+
+  The token goes to column `lengths[b]`; the row's count of it grows by one; an EOS id finishes
+  the row. A row that is not live keeps its buffers, and its `last` becomes pad_id.
+  """
+  live = state.live if live is None else live & state.live
+  rows = jnp.arange(token.shape[0])
+  column = jnp.where(live, state.lengths, state.tokens.shape[1])  # N: dropped
+  return state.replace(
+      last=jnp.where(live, token, spec.pad_id),
+      tokens=state.tokens.at[rows, column].set(token, mode="drop"),
+      logprobs=state.logprobs.at[rows, column].set(logprob, mode="drop"),
+      lengths=state.lengths + live,
+      finished=state.finished | (live & spec.is_eos[token]),
+      counts=state.counts.at[rows, token].add(live.astype(jnp.int32)))
+
+
+def all_done(state: LoopState) -> jax.Array:
+  return ~jnp.any(state.live)
+
+
+def run_chunks(advance: Callable[[LoopState, jax.Array], LoopState], state: LoopState, *,
+               first: int, rounds: int, chunk: int) -> LoopState:
+  """`advance(state, i)` for i = first .. first + rounds - 1, stopping early once no row is live.
+
+  The rounds run in `lax.scan` chunks of `chunk` inside a `lax.while_loop` over chunks, so the
+  per-round loop overhead (and, on accelerators, the device-to-host check) is paid per chunk;
+  the loop stops after the first chunk that leaves no live row. A last partial chunk runs under
+  a `lax.cond`. `first`, `rounds` and `chunk` are static.
+  """
+  if rounds <= 0:
+    return state
+  chunk = max(1, min(chunk, rounds))
+  full_chunks, tail = divmod(rounds, chunk)
+
+  def scan(state, start, length):
+    def body(state, i):
+      return advance(state, i), None
+    return lax.scan(body, state, start + jnp.arange(length, dtype=jnp.int32))[0]
+
+  def chunk_body(loop):
+    c, state = loop
+    return c + 1, scan(state, first + c * chunk, chunk)
+
+  def chunk_cond(loop):
+    c, state = loop
+    return (c < full_chunks) & ~all_done(state)
+
+  _, state = lax.while_loop(chunk_cond, chunk_body, (jnp.int32(0), state))
+  if tail:
+    state = lax.cond(all_done(state), lambda s: s,
+                     lambda s: scan(s, first + rounds - tail, tail), state)
+  return state
+
+
+def as_processors(logits_processors: Sequence[Callable] | None) -> tuple:
+  """User logit processors as pytrees that jit can take as arguments.
+
+  A processor that is a pytree with array leaves (`jax.tree_util.Partial(fn, arrays...)`, a flax
+  struct, an equinox module) is kept, so its arrays are traced: new values never recompile. A
+  plain function becomes `Partial(fn)` (static: the same function reuses the compiled program).
+  """
+  if logits_processors is None:
+    return ()
+  if callable(logits_processors) or not isinstance(logits_processors, (list, tuple)):
+    raise ValueError(f"logits_processors must be a list of functions (logits, context) -> "
+                     f"logits; got {logits_processors!r:.80}")
+  out = []
+  for i, p in enumerate(logits_processors):
+    if not callable(p):
+      raise ValueError(f"logits_processors[{i}] must be a function (logits [B, V], "
+                       f"DecodeContext) -> logits [B, V]; got {p!r:.80}")
+    leaves = jax.tree.leaves(p)
+    out.append(jax.tree_util.Partial(p) if len(leaves) == 1 and leaves[0] is p else p)
+  return tuple(out)
+
+
+def check_processors(spec: LoopSpec, batch: int, vocab: int, max_new_tokens: int) -> None:
+  """Raises ValueError (at trace time) unless each user processor returns float logits [B, V]."""
+  context = DecodeContext(step=jnp.zeros(batch, jnp.int32),
+                          tokens=jnp.zeros((batch, max_new_tokens), jnp.int32),
+                          counts=jnp.zeros((batch, vocab), jnp.int32))
+  logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
+  for i, processor in enumerate(spec.logits_processors):
+    out = jax.eval_shape(processor, logits, context)
+    if getattr(out, "shape", None) != (batch, vocab) or not jnp.issubdtype(out.dtype,
+                                                                            jnp.floating):
+      raise ValueError(f"logits_processors[{i}] must return floating logits of shape "
+                       f"({batch}, {vocab}); got {out!r:.120}")

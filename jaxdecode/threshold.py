@@ -1,0 +1,170 @@
+"""The exact kept-set search: per-row thresholds for top-k, top-p and typical-p without a sort.
+
+The definitions are those of `jaxdecode.processors` (its module docstring states each one once).
+What they share: each kept set is an *upper set* of the row in some order (top-k and top-p in
+the order of the logits, typical-p in the order of typicality), so it is "every token whose
+order key is >= one threshold", and the threshold is the largest key whose upper set reaches a
+target amount (k tokens, or a probability mass).
+
+Two ways to find it, both exact:
+
+- Candidates (`thresholds_from_candidates`): a row whose top-k/top-p set provably lies inside its
+  64 largest logits gets the threshold from those 64 values (`lax.top_k`) and their cumulative
+  mass. Peaked rows, and any k <= 63, take this path.
+- Bisection (`largest_threshold`): over the 32 bits of the float32 order, most significant bit
+  first: 32 masked reductions over `[B, V]`. Any row, any k or p; typical-p always uses it.
+
+Which way a row goes depends only on that row, so a row's result never depends on the batch. No
+data-dependent shapes; everything is jittable.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+NEG_INF = float("-inf")
+TINY = float(jnp.finfo(jnp.float32).tiny)
+CANDIDATES = 64  # per-row candidates for the fast path (lax.top_k)
+
+
+def order_keys(x: jax.Array) -> jax.Array:
+  """uint32 keys with the same order as the float32 values (-0.0 and +0.0 tie). [B, V]."""
+  x = jnp.where(x == 0, 0.0, x)  # -0.0 -> +0.0, so that equal floats get equal keys
+  bits = lax.bitcast_convert_type(x, jnp.uint32)
+  negative = (bits >> 31) == 1
+  return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def value_of_key(key: jax.Array) -> jax.Array:
+  """Inverse of `order_keys`: the float32 value with that order key."""
+  positive = (key >> 31) == 1
+  bits = jnp.where(positive, key ^ jnp.uint32(0x80000000), ~key)
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def largest_threshold(keys: jax.Array, weights, target: jax.Array) -> jax.Array:
+  """Per row, the largest uint32 t with sum(weights[keys >= t]) >= target (0 if none does).
+
+  Bisection from the most significant bit: 32 masked sums over [B, V]. Since the sum only
+  changes at the data's keys, the answer is always one of them.
+
+  Args:
+    keys: uint32[B, V] order keys.
+    weights: [B, V] or scalar non-negative weights (1 counts tokens; probabilities give mass).
+    target: [B] amount to reach.
+
+  Returns:
+    uint32[B].
+  """
+  def body(i, t):
+    candidate = t | (jnp.uint32(1) << jnp.asarray(31 - i, jnp.uint32))  # [B]
+    reached = jnp.sum(jnp.where(keys >= candidate[:, None], weights, 0), axis=-1)
+    return jnp.where(reached >= target, candidate, t)
+
+  return lax.fori_loop(0, 32, body, jnp.zeros(keys.shape[:1], jnp.uint32))
+
+
+def unnormalized_probs(x: jax.Array):
+  """exp(x - max) per row (0 for rows with nothing selectable), and the row max. [B, V]."""
+  m = jnp.max(x, axis=-1, keepdims=True)
+  e = jnp.where(m > NEG_INF, jnp.exp(x - m), 0.0)
+  return e, m
+
+
+def thresholds_by_bisection(x: jax.Array, k: jax.Array, p: jax.Array) -> jax.Array:
+  """top-k then top-p thresholds of every row by bisection over all V tokens (any k, any p).
+
+  Args:
+    x: float32[B, V] logits (-inf for removed tokens; no NaN, no +inf).
+    k: int32[B] top-k (<= 0 or >= V: off).
+    p: float32[B] top-p (>= 1: off).
+
+  Returns:
+    float32[B]: keep the tokens with `x >= threshold` (-inf keeps everything).
+  """
+  vocab = x.shape[-1]
+  keys = order_keys(x)
+  k_active = (k > 0) & (k < vocab)
+  no_cut = jnp.full(k.shape, NEG_INF)
+  tau_k = lax.cond(  # each bisection only when some row needs it
+      jnp.any(k_active),
+      lambda: jnp.where(k_active, value_of_key(largest_threshold(keys, jnp.int32(1), k)),
+                        NEG_INF),
+      lambda: no_cut)
+  e, _ = unnormalized_probs(x)
+  e = jnp.where(x >= tau_k[:, None], e, 0.0)  # the distribution after top-k
+  target = jnp.maximum(p, TINY) * jnp.sum(e, axis=-1)
+  tau_p = lax.cond(jnp.any(p < 1),
+                   lambda: jnp.where(p < 1, value_of_key(largest_threshold(keys, e, target)),
+                                     NEG_INF),
+                   lambda: no_cut)
+  return jnp.maximum(tau_k, tau_p)
+
+
+def thresholds_from_candidates(x: jax.Array, k: jax.Array, p: jax.Array, candidates: int):
+  """top-k then top-p thresholds computed on each row's `candidates` largest logits.
+
+  Returns `(tau, exact)`: `exact[b]` is True when row b's kept set provably lies inside its
+  candidates (its threshold is above the smallest candidate, or the candidates are the whole
+  vocabulary); only then is `tau[b]` the row's threshold. Whether a row is exact depends only on
+  the row, so choosing between this and the bisection per row keeps rows independent.
+  """
+  vocab = x.shape[-1]
+  # The barrier keeps XLA:CPU on its partial top-k kernel: when the top-k result fuses with its
+  # consumers, XLA lowers it to a full sort of the vocabulary instead (~100x slower).
+  values = lax.optimization_barrier(lax.top_k(x, candidates)[0])  # [B, K], descending
+  m = values[:, :1]
+  e = jnp.where(m > NEG_INF, jnp.exp(values - m), 0.0)  # [B, K]
+  k_active = (k > 0) & (k < vocab)
+  tau_k = jnp.where(k_active, jnp.take_along_axis(values, jnp.clip(k, 1, candidates)[:, None] - 1,
+                                                  axis=1)[:, 0], NEG_INF)
+  e = jnp.where(values >= tau_k[:, None], e, 0.0)  # after top-k
+  # Z: the candidates' mass when top-k cut inside them, else the whole row's (a full pass over
+  # the vocabulary, skipped when every row has top-k).
+  z_row = lax.cond(jnp.any(~k_active), lambda: jnp.sum(unnormalized_probs(x)[0], axis=-1),
+                   lambda: jnp.zeros(k.shape, jnp.float32))
+  z = jnp.where(k_active, jnp.sum(e, axis=-1), z_row)
+  target = jnp.maximum(p, TINY) * z
+  # Mass strictly above each candidate: the exclusive cumulative mass at its value's first slot.
+  iota = lax.broadcasted_iota(jnp.int32, values.shape, 1)
+  new_value = jnp.concatenate([jnp.ones_like(values[:, :1], bool),
+                               values[:, 1:] != values[:, :-1]], axis=1)
+  first_slot = lax.cummax(jnp.where(new_value, iota, 0), axis=1)
+  above = jnp.take_along_axis(jnp.cumsum(e, axis=1) - e, first_slot, axis=1)
+  kept = (values >= tau_k[:, None]) & ((above < target[:, None]) | (p >= 1)[:, None])
+  tau = jnp.min(jnp.where(kept, values, jnp.inf), axis=-1)
+  tau = jnp.where(k_active | (p < 1), tau, NEG_INF)
+  # Exact when the kept set, and the top-k set that normalizes top-p, end above the last
+  # candidate: then no token outside the candidates (not even a tie) belongs to either.
+  inside = (tau > values[:, -1]) & (~k_active | (tau_k > values[:, -1]))
+  exact = (candidates == vocab) | inside | (m[:, 0] == NEG_INF)
+  return tau, exact
+
+
+def top_k_top_p_threshold(x: jax.Array, k: jax.Array, p: jax.Array) -> jax.Array:
+  """The per-row threshold of top-k followed by top-p: candidates where exact, else bisection.
+
+  Args/returns as `thresholds_by_bisection`; the bisection runs only when some row needs it.
+  """
+  tau, exact = thresholds_from_candidates(x, k, p, min(CANDIDATES, x.shape[-1]))
+  return lax.cond(jnp.all(exact), lambda: tau,
+                  lambda: jnp.where(exact, tau, thresholds_by_bisection(x, k, p)))
+
+
+def typical_keep(p: jax.Array, log_p: jax.Array, entropy: jax.Array,
+                 typical_p: jax.Array) -> jax.Array:
+  """bool[B, V]: the typical-p kept set of each row, by bisection in the order of typicality.
+
+  Args:
+    p: float32[B, V] probabilities (0 for removed tokens).
+    log_p: float32[B, V] their logarithms (-inf for removed tokens).
+    entropy: float32[B, 1].
+    typical_p: float32[B] (>= 1: keep every token of positive probability).
+  """
+  score = -jnp.abs(-log_p - entropy)  # higher is more typical
+  keys = jnp.where(p > 0, order_keys(jnp.where(p > 0, score, 0.0)), jnp.uint32(0))
+  target = jnp.maximum(typical_p, TINY) * jnp.sum(p, axis=-1)
+  tau = largest_threshold(keys, p, target)
+  return (keys >= tau[:, None]) & (p > 0)

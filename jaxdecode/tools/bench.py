@@ -1,0 +1,762 @@
+"""The benchmark suite: every figure is a ratio of two timings taken in the same process.
+
+Run it as `python -m jaxdecode.bench [--quick] [--json] [--runs N] [--no-decode] [--all-peers]`
+(or `jaxdecode bench`). The protocol (DESIGN.md, "Benchmark protocol"):
+
+- the functions of one table row are timed round-robin, run after run (each run starts at the
+  next function, so no function always follows the same one), so that machine noise hits them
+  all alike;
+- each function is called at least twice before timing (the first call compiles);
+- every call is followed by `jax.block_until_ready`; a figure is the median of >= 20 runs
+  (`--quick` takes 10 runs by default, never fewer than 5, on a smaller grid);
+- figures are ratios of such medians: sampler time / `jnp.argmax` time on the same `[B, V]`
+  logits, decode tokens/s with top-p / greedy on the same model and prompts.
+
+Tables:
+
+1. Kernels. For each logit shape ("wide": standard Gaussian noise; "lm": a steep Zipf profile,
+   logit = -3.3 ln(rank) with the ranks randomly permuted in every row), batch B and vocabulary V:
+   `jaxdecode.greedy`, `jaxdecode.sample` (plain; top-k 50; top-p 0.9; min-p 0.05; the chain
+   temperature 0.8 + top-k 50 + top-p 0.9 + min-p 0.05), a sort-based exact top-p reference
+   (`sort_top_p_sample`) and, when `transformers` is installed, its Flax top-p warper, each as
+   time / argmax time; plus the speedups of jaxdecode's top-p over the two sort-based ones.
+   The controls (`CONTROL_PARAMS`: penalties with token counts, logit bias + banned tokens,
+   allowed tokens, typical-p, epsilon, eta) are timed in the same round robin and printed as a
+   second table.
+2. Decode. `jaxdecode.decode` of 64 new tokens for a batch of 8 prompts (no EOS) with top-p 0.9
+   versus greedy, for the embedded default model and a random-weights model with a 32000-token
+   vocabulary; the first call (compilation included) versus a later one; and a decode whose rows
+   all hit EOS at once versus the same decode without EOS.
+
+Duration on 2 idle CPU cores (AMD EPYC): `--quick` about 2 minutes, the default run about 8
+(kernels 7, decode 1); up to twice that when the cores are shared. It scales with the samplers' own speed. The sort-based peers are slow at large sizes, so by
+default they are timed only where B*V <= `PEER_MAX_ELEMENTS` (B <= 8, and B = 64 with V = 32000);
+`--all-peers` times them everywhere (about 20-30 more minutes).
+
+From Python: `run_benchmarks(...)` returns every median and ratio as one dict (what `--json`
+prints) and `format_table(result)` renders it (what the README pastes); `kernel_table`,
+`decode_table`, `time_round_robin` and the sort-based reference `sort_top_p_sample` /
+`sort_top_p_mask` work on their own. `main(argv)` is the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import textwrap
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import flax
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+from flax import nnx
+
+import jaxdecode
+from jaxdecode import _files
+from jaxdecode.models import Transformer, TransformerConfig, load_default, make_step_fn, prefill
+from jaxdecode.params import SamplingParams
+from jaxdecode.prompts import bucket_length
+from jaxdecode.tools._args import OneLineParser
+
+BATCHES = (1, 8, 64)
+VOCABS = (32000, 128256, 256000)
+SHAPES = ("wide", "lm")
+QUICK_BATCHES = (8,)
+QUICK_VOCABS = (32000, 128256)
+RUNS = 20  # the protocol's minimum for published figures
+QUICK_RUNS = 10
+MIN_RUNS = 5  # never fewer, even with --quick
+WARMUP = 2  # calls of every function before timing (the first one compiles)
+PEER_MAX_ELEMENTS = 2_100_000  # B*V above which the sort-based peers are skipped by default
+ZIPF_EXPONENT = 1.1 * 3  # "lm" logits: -ZIPF_EXPONENT * ln(rank)
+TOP_P = 0.9
+
+# The jaxdecode samplers of a kernel row, in table order.
+KERNEL_PARAMS = {
+    "sample": dict(),
+    "top_k": dict(top_k=50),
+    "top_p": dict(top_p=TOP_P),
+    "min_p": dict(min_p=0.05),
+    "chain": dict(temperature=0.8, top_k=50, top_p=TOP_P, min_p=0.05),
+}
+# Issue 6's controls, timed in the same round robin (a second table). "penalties" gets token
+# counts of CONTROL_SEEN random tokens per row; the token fields hold CONTROL_IDS ids per row.
+CONTROL_IDS = 32
+CONTROL_ALLOWED = 1000
+CONTROL_SEEN = 64
+CONTROL_PARAMS = {
+    "penalties": dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5),
+    "bias_ban": "logit_bias and banned_token_ids, CONTROL_IDS each",
+    "allowed": "allowed_token_ids, CONTROL_ALLOWED per row",
+    "typical": dict(typical_p=0.9),
+    "epsilon": dict(epsilon_cutoff=3e-4),
+    "eta": dict(eta_cutoff=3e-4),
+}
+SORT_PEER = "sort_top_p"
+HF_PEER = "transformers_top_p"
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing.
+
+
+def time_round_robin(fns: Mapping[str, Callable[[], Any]], runs: int, *,
+                     warmup: int = WARMUP) -> dict[str, list[float]]:
+  """Times zero-argument functions round-robin, after `warmup` calls of each.
+
+  Run i calls every function once, starting at function i mod n, and blocks on each result
+  (`jax.block_until_ready`) before the clock stops.
+
+  Args:
+    fns: name -> function returning JAX arrays (or any pytree of them).
+    runs: timed runs (>= 1).
+    warmup: untimed calls of every function before the first run (the first one compiles).
+
+  Returns:
+    name -> the `runs` durations in seconds, in run order.
+  """
+  if runs < 1:
+    raise ValueError(f"runs must be >= 1; got {runs!r}")
+  names = list(fns)
+  for _ in range(warmup):
+    for name in names:
+      jax.block_until_ready(fns[name]())
+  times = {name: [] for name in names}
+  for i in range(runs):
+    for j in range(len(names)):
+      name = names[(i + j) % len(names)]
+      fn = fns[name]
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+  return times
+
+
+def _medians(times: Mapping[str, Sequence[float]]) -> dict[str, float]:
+  return {name: float(statistics.median(t)) for name, t in times.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Logits and the peers.
+
+
+def make_logits(shape: str, batch: int, vocab: int, seed: int = 0) -> jax.Array:
+  """Benchmark logits, float32[batch, vocab].
+
+  Args:
+    shape: "wide" (standard Gaussian noise: a flat distribution, top-p keeps most of the
+      vocabulary) or "lm" (a steep Zipf profile like a trained LM's: the token of rank r has logit
+      -3.3 ln(r), ranks randomly permuted in every row; top-p 0.9 keeps a handful of tokens).
+    batch: B.
+    vocab: V.
+    seed: numpy seed; the same arguments give the same logits.
+  """
+  rng = np.random.default_rng(seed)
+  if shape == "wide":
+    return jnp.asarray(rng.standard_normal((batch, vocab), dtype=np.float32))
+  if shape == "lm":
+    profile = -ZIPF_EXPONENT * np.log(np.arange(1, vocab + 1, dtype=np.float64))  # [V], by rank
+    ranks = rng.permuted(np.broadcast_to(np.arange(vocab), (batch, vocab)), axis=1)  # [B, V]
+    return jnp.asarray(profile[ranks].astype(np.float32))
+  raise ValueError(f"shape must be one of {SHAPES}; got {shape!r}")
+
+
+def _sorted_top_p(logits: jax.Array, top_p):
+  """The sort-based top-p cut in sorted order.
+
+  Returns:
+    `(order int32[B, V], sorted_x float32[B, V], keep bool[B, V])`: the descending sort
+    permutation of each row, the sorted logits, and whether each sorted position is kept.
+  """
+  x = logits.astype(jnp.float32)
+  batch, vocab = x.shape
+  p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (batch,))[:, None]  # [B, 1]
+  order = jnp.argsort(-x, axis=-1, stable=True)  # [B, V], descending
+  sorted_x = jnp.take_along_axis(x, order, axis=-1)  # [B, V]
+  probs = jax.nn.softmax(sorted_x, axis=-1)
+  exclusive = jnp.pad(jnp.cumsum(probs, axis=-1)[:, :-1], ((0, 0), (1, 0)))  # mass before j
+  # Ties: every member of a group of equal logits gets the sum before the group's first member.
+  iota = jax.lax.broadcasted_iota(jnp.int32, (batch, vocab), 1)
+  new_group = jnp.pad(sorted_x[:, 1:] != sorted_x[:, :-1], ((0, 0), (1, 0)),
+                      constant_values=True)  # [B, V]
+  group_start = jax.lax.cummax(jnp.where(new_group, iota, 0), axis=1)  # [B, V]
+  above = jnp.take_along_axis(exclusive, group_start, axis=-1)  # mass strictly more probable
+  return order, sorted_x, (above < p) | (p >= 1)
+
+
+@jax.jit
+def sort_top_p_mask(logits: jax.Array, top_p) -> jax.Array:
+  """The top-p kept set computed the textbook way, by sorting: `bool[B, V]`, True if kept.
+
+  Sort each row descending, softmax, exclusive cumulative sum: a token is kept iff the mass
+  before it is < p. Ties are resolved as DESIGN.md defines top-p (the mass of the tokens
+  *strictly* more probable than i), so every member of a tie group gets the exclusive sum at the
+  group's first position. float32.
+
+  Args:
+    logits: [B, V] floating logits (no NaN).
+    top_p: a scalar or [B] array in (0, 1].
+  """
+  order, _, keep = _sorted_top_p(logits, top_p)
+  inverse = jnp.argsort(order, axis=-1)  # [B, V]: the sorted position of each token
+  return jnp.take_along_axis(keep, inverse, axis=-1)
+
+
+@jax.jit
+def sort_top_p_sample(key: jax.Array, logits: jax.Array, top_p) -> jax.Array:
+  """A straightforward sort-based exact top-p sampler (the reference jaxdecode is timed against).
+
+  Sorts each row descending, takes softmax and the exclusive cumulative sum, keeps the tokens
+  whose exclusive sum is < p (ties as in `sort_top_p_mask`), draws with
+  `jax.random.categorical` from the kept sorted logits and maps the draw back through the sort
+  permutation.
+
+  Args:
+    key: one PRNG key (rows draw independently).
+    logits: [B, V] floating logits (no NaN).
+    top_p: a scalar or [B] array in (0, 1].
+
+  Returns:
+    int32[B] token ids.
+  """
+  order, sorted_x, keep = _sorted_top_p(logits, top_p)
+  position = jax.random.categorical(key, jnp.where(keep, sorted_x, -jnp.inf), axis=-1)  # [B]
+  return jnp.take_along_axis(order, position[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def transformers_top_p_sampler(top_p: float = TOP_P):
+  """The `transformers` Flax top-p path as one jitted function, or None if not installed.
+
+  Returns:
+    `fn(key, logits[B, V]) -> int32[B]` that applies `FlaxTopPLogitsWarper(top_p)` and draws with
+    `jax.random.categorical` (what `FlaxGenerationMixin` sampling does), or None when
+    `transformers` (with its Flax generation code, `transformers<5`) cannot be imported.
+  """
+  try:
+    # pylint: disable-next=import-outside-toplevel
+    from transformers.generation.flax_logits_process import FlaxTopPLogitsWarper
+  except Exception:  # pylint: disable=broad-except  # missing, or a version without Flax
+    return None
+  warper = FlaxTopPLogitsWarper(float(top_p))
+
+  @jax.jit
+  def sample(key, logits):
+    return jax.random.categorical(key, warper(None, logits, 0), axis=-1).astype(jnp.int32)
+
+  return sample
+
+
+def _transformers_version() -> str | None:
+  try:
+    import transformers  # pylint: disable=import-outside-toplevel
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return transformers.__version__
+
+
+# ---------------------------------------------------------------------------------------------
+# Table 1: kernels.
+
+
+def kernel_row(shape: str, batch: int, vocab: int, *, runs: int = RUNS, peers: bool = True,
+               hf_sampler: Callable | None = None, seed: int = 0) -> dict:
+  """Times one kernel row: argmax, greedy, the five samplers and (optionally) the peers.
+
+  Args:
+    shape: "wide" or "lm" (see `make_logits`).
+    batch: B.
+    vocab: V.
+    runs: timed runs (the median is reported).
+    peers: whether to time the sort-based reference (and `hf_sampler`, if given).
+    hf_sampler: `transformers_top_p_sampler()`, or None to leave transformers out.
+    seed: seed of the logits.
+
+  Returns:
+    A dict with `shape`, `batch`, `vocab`, `runs`, `median_s` (name -> seconds), `ratio`
+    (name -> time / argmax time; exactly 1 for argmax) and `speedup` (`vs_sort` and
+    `vs_transformers`: peer time / jaxdecode top-p time, where timed).
+  """
+  logits = make_logits(shape, batch, vocab, seed)
+  key = jax.random.key(seed)
+  argmax = jax.jit(lambda x: jnp.argmax(x, axis=-1))
+  fns = {"argmax": lambda: argmax(logits), "greedy": lambda: jaxdecode.greedy(logits)}
+  for name, settings in KERNEL_PARAMS.items():
+    params = SamplingParams(**settings)  # built (and validated) once, outside the timing
+    fns[name] = lambda params=params: jaxdecode.sample(key, logits, params)
+  for name, (params, counts) in control_params(batch, vocab, seed).items():
+    fns[name] = lambda params=params, counts=counts: jaxdecode.sample(key, logits, params,
+                                                                     counts=counts)
+  if peers:
+    top_p = jnp.float32(TOP_P)
+    fns[SORT_PEER] = lambda: sort_top_p_sample(key, logits, top_p)
+    if hf_sampler is not None:
+      fns[HF_PEER] = lambda: hf_sampler(key, logits)
+  medians = _medians(time_round_robin(fns, runs))
+  base = medians["argmax"]
+  row = {"shape": shape, "batch": batch, "vocab": vocab, "runs": runs, "median_s": medians,
+         "ratio": {name: t / base for name, t in medians.items()}, "speedup": {}}
+  if SORT_PEER in medians:
+    row["speedup"]["vs_sort"] = medians[SORT_PEER] / medians["top_p"]
+  if HF_PEER in medians:
+    row["speedup"]["vs_transformers"] = medians[HF_PEER] / medians["top_p"]
+  return row
+
+
+def control_params(batch: int, vocab: int, seed: int = 0) -> dict:
+  """name -> (SamplingParams, counts or None) for the control columns (see CONTROL_PARAMS)."""
+  rng = np.random.default_rng(seed)
+  def ids(n):
+    return [rng.choice(vocab, min(n, vocab), replace=False).tolist() for _ in range(batch)]
+
+  seen = rng.integers(0, vocab, size=(batch, CONTROL_SEEN))
+  counts = jaxdecode.token_counts(jnp.asarray(seen), vocab)
+  return {
+      "penalties": (SamplingParams(**CONTROL_PARAMS["penalties"]), counts),
+      "bias_ban": (SamplingParams(
+          logit_bias=[dict(zip(r, rng.normal(size=CONTROL_IDS).tolist())) for r in
+                      ids(CONTROL_IDS)], banned_token_ids=ids(CONTROL_IDS)), None),
+      "allowed": (SamplingParams(allowed_token_ids=ids(CONTROL_ALLOWED)), None),
+      "typical": (SamplingParams(**CONTROL_PARAMS["typical"]), None),
+      "epsilon": (SamplingParams(**CONTROL_PARAMS["epsilon"]), None),
+      "eta": (SamplingParams(**CONTROL_PARAMS["eta"]), None),
+  }
+
+
+def kernel_table(*, batches: Sequence[int] = BATCHES, vocabs: Sequence[int] = VOCABS,
+                 shapes: Sequence[str] = SHAPES, runs: int = RUNS,
+                 peer_max_elements: int | None = PEER_MAX_ELEMENTS, transformers: bool = True,
+                 progress: Callable[[str], None] | None = None) -> list[dict]:
+  """All kernel rows (see `kernel_row`), shape by shape, then by B, then by V.
+
+  Args:
+    batches: the B values.
+    vocabs: the V values.
+    shapes: logit shapes, from `SHAPES`.
+    runs: timed runs per row.
+    peer_max_elements: time the sort-based peers only where B*V is at most this (None: always).
+    transformers: include the `transformers` Flax peer when it is installed.
+    progress: called with one line after each row (e.g. to print to stderr).
+
+  Returns:
+    The rows; a row whose peers were skipped has `peers_skipped` set to the reason.
+  """
+  hf = transformers_top_p_sampler() if transformers else None
+  rows = []
+  for shape in shapes:
+    for batch in batches:
+      for vocab in vocabs:
+        started = time.perf_counter()
+        peers = peer_max_elements is None or batch * vocab <= peer_max_elements
+        row = kernel_row(shape, batch, vocab, runs=runs, peers=peers, hf_sampler=hf)
+        if not peers:
+          row["peers_skipped"] = f"B*V = {batch * vocab} > {peer_max_elements} (--all-peers)"
+        rows.append(row)
+        if progress:
+          progress(f"kernel {shape} B={batch} V={vocab}: {time.perf_counter() - started:.0f} s")
+  return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Table 2: decode.
+
+
+def random_model(vocab_size: int = 32000, *, d_model: int = 256, n_layers: int = 4,
+                 n_heads: int = 4, d_ff: int = 1024, max_len: int = 256, seed: int = 0):
+  """A random-weights `jaxdecode.models.Transformer` (the decode table's large-vocabulary model)."""
+  config = TransformerConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
+                             n_heads=n_heads, d_ff=d_ff, max_len=max_len)
+  return Transformer(config, rngs=nnx.Rngs(seed))
+
+
+def _default_model():
+  return load_default()[0]
+
+
+def _prompts(vocab: int, batch: int, seed: int = 0) -> list[list[int]]:
+  """`batch` prompts of 3..12 random ids in [0, min(vocab, 256)): bytes for the default model."""
+  rng = np.random.default_rng(seed)
+  high = min(vocab, 256)
+  return [rng.integers(0, high, size=int(rng.integers(3, 13))).tolist() for _ in range(batch)]
+
+
+def decode_row(name: str, model, *, runs: int = RUNS, batch: int = 8, max_new_tokens: int = 64,
+               seed: int = 0) -> dict:
+  """Times `jaxdecode.decode` on one model: top-p versus greedy, first call, early stop.
+
+  Three functions run round-robin, each one full `decode` call (prefill done once, outside):
+  greedy and top-p 0.9 without EOS (every row runs all `max_new_tokens` steps), and greedy with
+  `eos_ids` = the tokens greedy decoding emits in its first two steps, so that every row finishes
+  at once. The first greedy call, made before any other, includes compilation.
+
+  Args:
+    name: the row's label.
+    model: a `jaxdecode.models.Transformer`.
+    runs: timed runs.
+    batch: prompts per call.
+    max_new_tokens: N.
+    seed: seed of the prompts and of the sampling key.
+
+  Returns:
+    A dict with `model`, `vocab`, `batch`, `max_new_tokens`, `prompt_width`, `runs`,
+    `first_call_s`, `median_s` (greedy, top_p, greedy_eos), `tokens_per_s` (greedy, top_p),
+    `early_stop_max_length` (the longest row of the EOS decode) and `ratio`: `top_p_vs_greedy`
+    (top-p tokens/s over greedy tokens/s), `first_vs_later` (first call time over the greedy
+    median) and `early_stop_vs_full` (EOS decode time over greedy time).
+  """
+  vocab = model.config.vocab_size
+  prompts = _prompts(vocab, batch, seed)
+  width = bucket_length(max(len(p) for p in prompts))
+  if width + max_new_tokens > model.config.max_len:
+    raise ValueError(f"prompt width {width} + max_new_tokens {max_new_tokens} exceeds the "
+                     f"model's max_len {model.config.max_len}")
+  tokens, lengths = jaxdecode.left_pad(prompts, width=width)
+  graphdef, weights = nnx.split(model)
+  logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=width + max_new_tokens)
+  jax.block_until_ready(logits)
+  step_fn = make_step_fn(graphdef)  # a new function: the first decode call compiles
+  key = jax.random.key(seed)
+  greedy, top_p = SamplingParams(temperature=0.0), SamplingParams(top_p=TOP_P)
+
+  def run(params, eos_ids=()):
+    return jaxdecode.decode(step_fn, state, logits, key=key, params=params,
+                            max_new_tokens=max_new_tokens, positions=lengths, eos_ids=eos_ids)
+
+  start = time.perf_counter()
+  first = jax.block_until_ready(run(greedy))
+  first_call = time.perf_counter() - start
+  eos_ids = sorted(set(np.asarray(first.tokens[:, :2]).reshape(-1).tolist()))
+  early = run(greedy, eos_ids)
+  medians = _medians(time_round_robin({
+      "greedy": lambda: run(greedy).tokens,
+      "top_p": lambda: run(top_p).tokens,
+      "greedy_eos": lambda: run(greedy, eos_ids).tokens,
+  }, runs))
+  new_tokens = batch * max_new_tokens
+  return {
+      "model": name, "vocab": vocab, "batch": batch, "max_new_tokens": max_new_tokens,
+      "prompt_width": width, "runs": runs, "first_call_s": first_call, "median_s": medians,
+      "tokens_per_s": {"greedy": new_tokens / medians["greedy"],
+                       "top_p": new_tokens / medians["top_p"]},
+      "early_stop_max_length": int(np.max(np.asarray(early.lengths))),
+      "ratio": {"top_p_vs_greedy": medians["greedy"] / medians["top_p"],
+                "first_vs_later": first_call / medians["greedy"],
+                "early_stop_vs_full": medians["greedy_eos"] / medians["greedy"]},
+  }
+
+
+def decode_table(models: Sequence[tuple[str, Callable[[], Any]]] | None = None, *,
+                 runs: int = RUNS, batch: int = 8, max_new_tokens: int = 64,
+                 progress: Callable[[str], None] | None = None) -> list[dict]:
+  """Decode rows (see `decode_row`) for several models.
+
+  Args:
+    models: (name, loader) pairs; `loader()` returns a `Transformer`. If it raises (e.g. the
+      embedded weights do not exist yet) the row is `{"model": name, "skipped": reason}`.
+      Default: the embedded model ("default") and `random_model()` ("random-32k").
+    runs: timed runs per row.
+    batch: prompts per call.
+    max_new_tokens: N.
+    progress: called with one line after each row.
+  """
+  if models is None:
+    models = (("default", _default_model), ("random-32k", random_model))
+  rows = []
+  for name, loader in models:
+    started = time.perf_counter()
+    try:
+      model = loader()
+    except Exception as e:  # pylint: disable=broad-except  # any failure to load skips the row
+      row = {"model": name, "skipped": f"could not load the model: {type(e).__name__}: {e}"}
+    else:
+      try:
+        row = decode_row(name, model, runs=runs, batch=batch, max_new_tokens=max_new_tokens)
+      except ValueError as e:  # e.g. a context too short for the prompts + N tokens
+        row = {"model": name, "skipped": f"{type(e).__name__}: {e}"}
+    rows.append(row)
+    if progress:
+      progress(f"decode {name}: " + (f"skipped ({row['skipped']})" if "skipped" in row else
+                                     f"{time.perf_counter() - started:.0f} s"))
+  return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole run, and its output.
+
+
+def machine_info() -> dict:
+  """Where the figures come from: OS, CPU, JAX devices and library versions."""
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    cpu = names[0] if names else cpu
+  except OSError:
+    pass
+  devices = jax.devices()
+  try:
+    usable = len(os.sched_getaffinity(0))
+  except AttributeError:  # not on Linux
+    usable = os.cpu_count()
+  return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+          "usable_cpus": usable, "backend": jax.default_backend(),
+          "device_kind": devices[0].device_kind, "devices": [repr(d) for d in devices],
+          "python": platform.python_version(), "jax": jax.__version__,
+          "jaxlib": jaxlib.__version__, "flax": flax.__version__,
+          "jaxdecode": jaxdecode.__version__, "transformers": _transformers_version()}
+
+
+def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool = True,
+                   all_peers: bool = False, batches: Sequence[int] | None = None,
+                   vocabs: Sequence[int] | None = None, shapes: Sequence[str] = SHAPES,
+                   decode_models: Sequence[tuple[str, Callable[[], Any]]] | None = None,
+                   decode_batch: int = 8, max_new_tokens: int | None = None, command: str = "",
+                   progress: Callable[[str], None] | None = None) -> dict:
+  """Runs the kernel (and decode) tables; returns everything as one JSON-ready dict.
+
+  Args:
+    quick: the smaller grid (B=8, V in {32000, 128256}; 32 new tokens) and 10 runs by default.
+    runs: timed runs per row (default 20, or 10 with `quick`).
+    decode: include the decode table.
+    all_peers: time the sort-based peers at every size.
+    batches: the kernel table's B values (default: by `quick`).
+    vocabs: the kernel table's V values (default: by `quick`).
+    shapes: the kernel table's logit shapes.
+    decode_models: (name, loader) pairs for `decode_table` (default: its two models).
+    decode_batch: prompts per decode call.
+    max_new_tokens: tokens per decode row (default 64, or 32 with `quick`).
+    command: the command line, recorded in the result.
+    progress: called with a line after each row.
+
+  Returns:
+    `{"command", "machine", "settings", "notes", "kernel": [rows], "decode": [rows]}`; the rows
+    are those of `kernel_table` and `decode_table`, `settings["seconds"]` the total duration.
+  """
+  runs = runs or (QUICK_RUNS if quick else RUNS)
+  started = time.perf_counter()
+  notes = []
+  if transformers_top_p_sampler() is None:
+    notes.append("transformers (with its Flax generation code, transformers<5) is not installed: "
+                 "the transformers columns are skipped (pip install 'transformers<5')")
+  settings = {
+      "quick": quick, "runs": runs, "warmup": WARMUP, "top_p": TOP_P,
+      "kernel_params": KERNEL_PARAMS, "control_params": CONTROL_PARAMS,
+      "batches": list(batches or (QUICK_BATCHES if quick else BATCHES)),
+      "vocabs": list(vocabs or (QUICK_VOCABS if quick else VOCABS)), "shapes": list(shapes),
+      "peer_max_elements": None if all_peers else PEER_MAX_ELEMENTS}
+  kernel = kernel_table(batches=settings["batches"], vocabs=settings["vocabs"],
+                        shapes=settings["shapes"], runs=runs,
+                        peer_max_elements=settings["peer_max_elements"], progress=progress)
+  decode_rows = []
+  if decode:
+    settings.update(decode_batch=decode_batch,
+                    max_new_tokens=max_new_tokens or (32 if quick else 64))
+    decode_rows = decode_table(decode_models, runs=runs, batch=decode_batch,
+                               max_new_tokens=settings["max_new_tokens"], progress=progress)
+  settings["seconds"] = time.perf_counter() - started
+  return {"command": command, "machine": machine_info(), "settings": settings, "notes": notes,
+          "kernel": kernel, "decode": decode_rows}
+
+
+_WIDTH = 100  # the width of the legend lines
+
+
+def _fmt(value: float | None) -> str:
+  """A ratio with 2 decimals below 10, 1 decimal from 10 on; '-' when missing."""
+  if value is None:
+    return "-"
+  return f"{value:.2f}" if value < 10 else f"{value:.1f}"
+
+
+_CONTROL_COLUMNS = (("penalties", "penalties"), ("bias+ban", "bias_ban"),
+                    ("allowed", "allowed"), ("typical-p", "typical"), ("epsilon", "epsilon"),
+                    ("eta", "eta"))
+_KERNEL_COLUMNS = (  # (header, ratio key) after `argmax ms`
+    ("greedy", "greedy"), ("sample", "sample"), ("top-k", "top_k"), ("top-p", "top_p"),
+    ("min-p", "min_p"), ("chain", "chain"), ("sort-p", SORT_PEER), ("hf-p", HF_PEER))
+
+
+def format_table(result: Mapping) -> str:
+  """The human-readable report of `run_benchmarks` (what `python -m jaxdecode.bench` prints)."""
+  m = result["machine"]
+  s = result["settings"]
+  lines = [
+      f"$ {result['command']}" if result.get("command") else "",
+      f"machine: {m['platform']} | {m['cpu']} | {m['cpu_count']} CPUs ({m['usable_cpus']} usable)",
+      f"jax {m['jax']} (jaxlib {m['jaxlib']}), flax {m['flax']}, transformers "
+      f"{m['transformers'] or 'not installed'}, python {m['python']}, jaxdecode {m['jaxdecode']}",
+      f"backend {m['backend']}, device kind {m['device_kind']}, "
+      f"jax.devices() = [{', '.join(m['devices'])}]",
+      f"{s['runs']} timed runs per row after {s['warmup']} warm-up calls, round-robin; medians; "
+      f"total {s['seconds']:.0f} s",
+      "",
+  ]
+  kernel = result["kernel"]
+  if kernel:
+    lines += textwrap.wrap(
+        "Kernels: time / argmax time on the same float32 [B, V] logits (lower is faster); x-sort, "
+        "x-hf = peer time / jaxdecode top-p time (higher: jaxdecode is faster).", _WIDTH)
+    header = (f"{'shape':<5} {'B':>3} {'V':>7} {'argmax ms':>9} "
+              + " ".join(f"{h:>6}" for h, _ in _KERNEL_COLUMNS[:6])
+              + f" {'sort-p':>7} {'x-sort':>6} {'hf-p':>7} {'x-hf':>6}")
+    lines += [header, "-" * len(header)]
+    for row in kernel:
+      r, sp = row["ratio"], row["speedup"]
+      lines.append(
+          f"{row['shape']:<5} {row['batch']:>3} {row['vocab']:>7} "
+          f"{row['median_s']['argmax'] * 1e3:>9.3f} "
+          + " ".join(f"{_fmt(r.get(k)):>6}" for _, k in _KERNEL_COLUMNS[:6])
+          + f" {_fmt(r.get(SORT_PEER)):>7} {_fmt(sp.get('vs_sort')):>6}"
+          f" {_fmt(r.get(HF_PEER)):>7} {_fmt(sp.get('vs_transformers')):>6}")
+    lines += textwrap.wrap(
+        "shapes: wide = N(0, 1) noise; lm = logit -3.3 ln(rank), ranks permuted per row. "
+        "greedy = jaxdecode.greedy; sample = jaxdecode.sample at T=1; top-k 50, top-p 0.9, "
+        "min-p 0.05; chain = T 0.8 + top-k 50 + top-p 0.9 + min-p 0.05; sort-p = sort-based exact "
+        "top-p 0.9 (bench.sort_top_p_sample); hf-p = transformers FlaxTopPLogitsWarper(0.9) + "
+        "jax.random.categorical.", _WIDTH)
+    skipped = [f"{row['shape']} B={row['batch']} V={row['vocab']}" for row in kernel
+               if "peers_skipped" in row]
+    if skipped:
+      lines += textwrap.wrap(f"peers not timed where B*V > {s['peer_max_elements']} (run with "
+                             f"--all-peers): {'; '.join(skipped)}", _WIDTH)
+    lines.append("")
+    lines += textwrap.wrap("Controls: time / argmax time, timed in the same round robin as the "
+                           "kernels above.", _WIDTH)
+    header = (f"{'shape':<5} {'B':>3} {'V':>7} "
+              + " ".join(f"{h:>9}" for h, _ in _CONTROL_COLUMNS))
+    lines += [header, "-" * len(header)]
+    for row in kernel:
+      lines.append(f"{row['shape']:<5} {row['batch']:>3} {row['vocab']:>7} "
+                   + " ".join(f"{_fmt(row['ratio'].get(k)):>9}" for _, k in _CONTROL_COLUMNS))
+    lines += textwrap.wrap(
+        f"penalties = repetition 1.2 + presence 0.5 + frequency 0.5 with counts of "
+        f"{CONTROL_SEEN} seen tokens per row; bias+ban = logit_bias and banned_token_ids, "
+        f"{CONTROL_IDS} ids each per row; allowed = allowed_token_ids, {CONTROL_ALLOWED} per "
+        f"row; typical-p 0.9; epsilon 3e-4; eta 3e-4 (jaxdecode.sample at T=1).", _WIDTH)
+    lines.append("")
+  decode_rows = result["decode"]
+  if decode_rows:
+    lines += [f"Decode: jaxdecode.decode, batch {s['decode_batch']}, {s['max_new_tokens']} new "
+              f"tokens per row, no EOS unless stated"]
+    header = (f"{'model':<11} {'V':>6} {'greedy ms':>9} {'greedy tok/s':>12} "
+              f"{'top-p/greedy tok/s':>18} {'first/later':>11} {'EOS-stop/full':>13}")
+    lines += [header, "-" * len(header)]
+    for row in decode_rows:
+      if "skipped" in row:
+        lines += textwrap.wrap(f"{row['model']:<11} skipped: {row['skipped']}", _WIDTH,
+                               subsequent_indent=" " * 12)
+        continue
+      r = row["ratio"]
+      lines.append(f"{row['model']:<11} {row['vocab']:>6} {row['median_s']['greedy'] * 1e3:>9.1f} "
+                   f"{row['tokens_per_s']['greedy']:>12.0f} {_fmt(r['top_p_vs_greedy']):>18} "
+                   f"{_fmt(r['first_vs_later']):>11} {_fmt(r['early_stop_vs_full']):>13}")
+    lines += textwrap.wrap(
+        "top-p/greedy: tokens/s with top-p 0.9 over tokens/s greedy; first/later: the first call "
+        "(compiles) over a later one; EOS-stop/full: a greedy decode whose rows all emit EOS in "
+        "the first step(s) over the same decode without EOS.", _WIDTH)
+    lines.append("")
+  for note in result["notes"]:
+    lines += textwrap.wrap(f"note: {note}", _WIDTH, subsequent_indent="  ")
+  return "\n".join(lines).strip("\n") + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line.
+
+
+def _runs(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+  if value < MIN_RUNS:
+    raise argparse.ArgumentTypeError(f"the protocol needs at least {MIN_RUNS} runs; "
+                                     f"got {value}")
+  return value
+
+
+def build_parser(prog: str = "python -m jaxdecode.bench") -> argparse.ArgumentParser:
+  parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true",
+                      help=f"smaller grid (B=8, V in 32000/128256; 32 new tokens), {QUICK_RUNS} "
+                           f"runs by default: 1-3 minutes (the default run: about 14)")
+  parser.add_argument("--json", action="store_true",
+                      help="print one JSON object with every median (seconds) and ratio")
+  parser.add_argument("--out", default=None, metavar="FILE",
+                      help="also write that JSON object to FILE (checked before the run starts; "
+                           "written atomically)")
+  parser.add_argument("--runs", type=_runs, default=None, metavar="N",
+                      help=f"timed runs per row (default {RUNS}; --quick: {QUICK_RUNS}, at "
+                           f"least {MIN_RUNS})")
+  parser.add_argument("--no-decode", action="store_true", help="skip the decode table")
+  parser.add_argument("--all-peers", action="store_true",
+                      help=f"time the sort-based peers also where B*V > {PEER_MAX_ELEMENTS} "
+                           f"(20-30 minutes more)")
+  return parser
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jaxdecode.bench") -> int:
+  """Runs the benchmark and prints the table (or JSON); returns the exit status.
+
+  Args:
+    argv: the arguments (default `sys.argv[1:]`).
+    prog: the command's name, for messages and the recorded command line.
+
+  Returns:
+    0 on success; 2 for a bad command line (reported in one line on stderr).
+  """
+  argv = sys.argv[1:] if argv is None else list(argv)
+  parser = build_parser(prog)
+  try:
+    args = parser.parse_args(argv)
+  except SystemExit as e:  # --help (0) or a bad command line (2, already reported)
+    return int(e.code or 0)
+  if not args.quick and args.runs is not None and args.runs < RUNS:
+    print(f"{prog}: error: published figures need --runs >= {RUNS}; add --quick for a smaller "
+          f"run (see --help)", file=sys.stderr)
+    return 2
+
+  if args.out is not None:
+    try:
+      _files.check_output_file(args.out, "benchmark output")
+    except ValueError as e:
+      print(f"{prog}: error: {e}", file=sys.stderr)
+      return 2
+
+  def progress(line):
+    print(f"[bench] {line}", file=sys.stderr, flush=True)
+
+  result = run_benchmarks(quick=args.quick, runs=args.runs, decode=not args.no_decode,
+                          all_peers=args.all_peers,
+                          command=f"{prog} {shlex.join(argv)}".strip(), progress=progress)
+  text = json.dumps(_finite(result), indent=1, sort_keys=False, allow_nan=False)
+  if args.out is not None:
+    _files.atomic_write_text(args.out, text + "\n", "benchmark output")
+  if args.json:
+    print(text)
+  else:
+    print(format_table(result), end="")
+  return 0
+
+
+def _finite(tree):
+  """JSON-safe copy: non-finite floats become None."""
+  if isinstance(tree, Mapping):
+    return {k: _finite(v) for k, v in tree.items()}
+  if isinstance(tree, (list, tuple)):
+    return [_finite(v) for v in tree]
+  if isinstance(tree, float) and not math.isfinite(tree):
+    return None
+  return tree
+
+
+if __name__ == "__main__":
+  sys.exit(main())
