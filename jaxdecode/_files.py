@@ -34,6 +34,27 @@ def _probe(folder: str, what: str, path: str) -> None:
   os.remove(probe)
 
 
+def read_input(path, what: str) -> bytes:
+  """The bytes of the file at `path`.
+
+  Raises:
+    ValueError: naming `what` and the path, if it is not a path, is a directory, does not exist
+      or cannot be read.
+  """
+  if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+    raise ValueError(f"{what} must be a file path; got {path!r}")
+  path = os.fspath(path)
+  if os.path.isdir(path):
+    raise ValueError(f"{what} {path!r} is a directory; give a file")
+  if not os.path.exists(path):
+    raise ValueError(f"{what} {path!r} does not exist")
+  try:
+    with open(path, "rb") as f:
+      return f.read()
+  except OSError as e:
+    raise ValueError(f"{what} {path!r} cannot be read ({_describe(e)})") from None
+
+
 def check_output_file(path, what: str = "output file") -> str:
   """Checks that a file can be written at `path` (creating missing parent folders); returns it.
 

@@ -168,6 +168,6 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
   positions = _checks.row_integers("positions", positions, batch, "one per row of the logits")
   eos = _checks.token_ids("eos_ids", eos_ids, vocab, many=True)
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
-  return _decode_jit(step_fn, state, logits, key, params, positions, eos, pad, counts,
+  return _decode_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad, counts,
                      loop.as_processors(logits_processors), max_new_tokens=max_new_tokens,
                      chunk_size=chunk_size)

@@ -122,12 +122,12 @@ def init_state(spec: LoopSpec, model_state, counts: jax.Array, max_new_tokens: i
                    finished=jnp.zeros((batch,), bool), counts=counts)
 
 
-def draw(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array):
-  """Step `step[b]` of each row: `(tokens int32[B], logprobs float32[B])`, as `decode` draws it.
+def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array) -> jax.Array:
+  """The processed float32 logits `[B, V]` of step `step[b]` of each row.
 
   In order: the user logit processors, then EOS ids masked where `step < min_new_tokens`, then
-  `sampling.sample_rows` (the processor chain; key `fold_in(row_key, step)`). Rows that are not
-  live get a token too; `record` ignores it.
+  the processor chain of `spec.params` with the state's counts. Every loop goes through this, so
+  they all apply the same rules.
 
   Args:
     spec: the loop's fixed inputs.
@@ -144,8 +144,16 @@ def draw(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array):
   logits = lax.cond(jnp.any(blocked) & jnp.any(spec.is_eos),
                     lambda x: jnp.where(blocked[:, None] & spec.is_eos[None, :], -jnp.inf, x),
                     lambda x: x, logits)
+  return processors.process_f32(logits, spec.params, state.counts)
+
+
+def draw(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array):
+  """Step `step[b]` of each row: `(tokens int32[B], logprobs float32[B])`, as `decode` draws it:
+  `process`, then one inverse-CDF draw with key `fold_in(row_key, step)`. Rows that are not live
+  get a token too; `record` ignores it.
+  """
   keys = jax.vmap(jax.random.fold_in)(spec.row_keys, step)
-  return sampling.sample_rows(keys, logits, spec.params, state.counts)
+  return sampling.draw(keys, process(spec, state, logits, step))
 
 
 def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Array,

@@ -395,7 +395,7 @@ def process_logits(logits: jax.Array, params: SamplingParams, *, counts=None) ->
   """
   params, counts = check_call(logits, params, counts, caller="process_logits")
   no_min_new_tokens(params, "process_logits")
-  return _process_logits(logits, params, counts)
+  return _process_logits(jnp.asarray(logits), params, counts)
 
 
 def no_min_new_tokens(params: SamplingParams, caller: str) -> None:
@@ -416,7 +416,7 @@ def _one(apply, field: str, logits, value):
   value = check_row_param(field, value, batch)
   # Traced values (inside a user's jit) are mapped onto the valid range like any params field.
   value = getattr(SamplingParams()._with(**{field: value}).sanitized(), field)  # pylint: disable=protected-access
-  return _run_one(apply, logits, value)
+  return _run_one(apply, jnp.asarray(logits), value)
 
 
 def _top_k_alone(x, k):

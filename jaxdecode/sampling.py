@@ -1,6 +1,6 @@
 """Selection rules: `[B, V]` logits (and a key) in, `int32[B]` tokens out.
 
-Key policy (the reproducibility contract, see DESIGN.md):
+Key policy (the reproducibility contract; docs/architecture.md):
 
 - `key` is one key or one key per row (`[B]`); typed keys (`jax.random.key`) and legacy uint32
   keys (`jax.random.PRNGKey`, shape `[2]` or `[B, 2]`) are both accepted.
@@ -79,15 +79,23 @@ def inverse_cdf(x: jax.Array, u: jax.Array):
   return token, logprob
 
 
+def draw(keys: jax.Array, processed: jax.Array):
+  """One token per row from processed float32 logits `[B, V]`, one uniform per row from its key.
+
+  Returns `(int32[B] tokens, float32[B] log-probabilities)` (see `inverse_cdf`).
+  """
+  u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)  # [B]
+  return inverse_cdf(processed, u)
+
+
 def sample_rows(keys: jax.Array, logits: jax.Array, params: SamplingParams,
                 counts: jax.Array | None = None):
   """The traced core of sampling: typed keys [B], logits [B, V], sanitized broadcast params.
 
   `counts` (int32[B, V] or None) feeds the penalties. Returns (int32[B] tokens, float32[B]
-  logprobs). `sample_with_logprobs` and `decode` both use it.
+  logprobs).
   """
-  u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)  # [B]
-  return inverse_cdf(processors.process_f32(logits, params, counts), u)
+  return draw(keys, processors.process_f32(logits, params, counts))
 
 
 @jax.jit
@@ -124,8 +132,8 @@ def sample_with_logprobs(key, logits: jax.Array, params: SamplingParams | None =
   params = SamplingParams() if params is None else params
   params, counts = processors.check_call(logits, params, counts, caller="sample")
   processors.no_min_new_tokens(params, "sample")
-  _checks.key(key, logits.shape[0])
-  return _sample(key, logits, params, counts)
+  _checks.key(key, params.temperature.shape[0])
+  return _sample(key, jnp.asarray(logits), params, counts)
 
 
 def sample(key, logits: jax.Array, params: SamplingParams | None = None, *,
@@ -160,10 +168,10 @@ def greedy(logits: jax.Array) -> jax.Array:
     Array([1, 1], dtype=int32)
   """
   _checks.logits(logits)
-  return _greedy(logits)
+  return _greedy(jnp.asarray(logits))
 
 
 def selectable(logits: jax.Array) -> jax.Array:
   """`bool[B]`: True where a row has a token that can be selected (a non-NaN entry > -inf)."""
   _checks.logits(logits)
-  return jnp.any(processors.remove_nan(logits) > -jnp.inf, axis=-1)
+  return jnp.any(processors.remove_nan(jnp.asarray(logits)) > -jnp.inf, axis=-1)

@@ -165,6 +165,8 @@ def typical_keep(p: jax.Array, log_p: jax.Array, entropy: jax.Array,
   """
   score = -jnp.abs(-log_p - entropy)  # higher is more typical
   keys = jnp.where(p > 0, order_keys(jnp.where(p > 0, score, 0.0)), jnp.uint32(0))
-  target = jnp.maximum(typical_p, TINY) * jnp.sum(p, axis=-1)
+  # Every kept p is a normal float (XLA flushes subnormals), so a target of at least TINY keeps
+  # the most typical token; typical_p * sum(p) alone can flush to 0 and keep nothing.
+  target = jnp.maximum(typical_p * jnp.sum(p, axis=-1), TINY)
   tau = largest_threshold(keys, p, target)
   return (keys >= tau[:, None]) & (p > 0)

@@ -1,6 +1,6 @@
 """Straightforward sort-based references for the kept sets, in numpy float64.
 
-They follow DESIGN.md's definitions literally and share no code with jaxdecode. Where float32 and
+They follow the definitions of jaxdecode.processors' docstring literally and share no code with jaxdecode. Where float32 and
 float64 can disagree on a token (its quantity is within `TOL` of the cut), the token is reported
 as ambiguous, and tests compare only the others.
 """
@@ -83,7 +83,7 @@ def process_row(x32, temperature, top_k, top_p, min_p):
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 6: penalties and the entropy-based truncations, from their definitions (float64).
+# Penalties and the entropy-based truncations, from their definitions (float64).
 
 SCORE_TOL = 1e-4  # float32 typicality scores can reorder tokens whose scores are this close
 

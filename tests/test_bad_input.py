@@ -75,6 +75,7 @@ def test_rows_with_nothing_selectable_are_reported_not_hidden_and_do_not_disturb
   assert int(tokens[2]) == int(alone[0][0])
 
 
+@pytest.mark.slow
 def test_invalid_params_under_jit_follow_the_documented_sanitization():
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2000, 6)), jnp.float32)
   greedy = np.asarray(jaxdecode.greedy(x))

@@ -31,6 +31,7 @@ def kernel_result():
                               command="test")
 
 
+@pytest.mark.slow
 def test_kernel_rows_have_every_median_and_ratio(kernel_result):
   rows = kernel_result["kernel"]
   assert [(r["shape"], r["batch"], r["vocab"]) for r in rows] == [("wide", 2, 1000),
@@ -98,10 +99,11 @@ def _examples():
   rng = np.random.default_rng(1)
   yield "gaussian", rng.normal(size=(6, 40)).astype(np.float32) * 3
   yield "lm", np.asarray(bench.make_logits("lm", 4, 64, seed=3))
-  # Ties at the boundary: top-p 0.5 must keep all three tied tokens (DESIGN.md).
+  # Ties at the boundary: top-p 0.5 must keep all three tied tokens (the definition in jaxdecode.processors).
   yield "ties", np.log(np.array([[0.4, 0.2, 0.2, 0.2], [0.25, 0.25, 0.25, 0.25]], np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99, 1.0])
 def test_sort_reference_keeps_exactly_the_top_p_set(top_p):
   for name, x in _examples():
@@ -152,6 +154,7 @@ def test_transformers_peer_draws_from_the_nucleus():
     assert kept[np.arange(x.shape[0]), tokens].all()
 
 
+@pytest.mark.slow
 def test_decode_table_on_a_tiny_model():
   def tiny():
     return bench.random_model(300, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=64)

@@ -46,6 +46,7 @@ def mixed_params(batch, seed=0):
                         min_p=rng.choice([0.0, 0.05], batch).astype(np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,chunk", [(1, 16), (7, 3), (12, 4), (20, 16)])
 def test_decode_equals_a_python_loop_of_step_and_sample(n, chunk):
   logits, state, positions = toy_model.prefill(TABLE, PROMPTS)
@@ -64,6 +65,7 @@ def test_decode_equals_a_python_loop_of_step_and_sample(n, chunk):
     np.testing.assert_array_equal(out.state["h"], ref_state["h"])
 
 
+@pytest.mark.slow
 def test_row_decodes_the_same_alone_and_in_a_batch_of_8_at_any_slot():
   prompt, row_params = [3, 1, 4, 1, 5], dict(temperature=1.2, top_k=9, top_p=0.95, min_p=0.01)
   key = jax.random.key(77)
@@ -112,6 +114,7 @@ def test_no_eos_ids_means_every_row_runs_to_max_new_tokens():
   assert int(out.state["calls"]) == 8  # N tokens cost N - 1 model steps
 
 
+@pytest.mark.slow
 def test_a_finished_batch_skips_the_remaining_chunks():
   logits, state, positions = toy_model.prefill(TABLE, PROMPTS)
   eos = list(range(VOCAB))  # every token is an EOS: all rows finish at step 0
@@ -147,6 +150,7 @@ def test_new_values_of_the_same_shapes_do_not_retrace():
   assert len(traces) == first
 
 
+@pytest.mark.slow
 def test_vmap_over_keys_equals_one_by_one():
   logits, state, positions = toy_model.prefill(TABLE, PROMPTS[:3])
   keys = jax.random.split(jax.random.key(3), 4)
@@ -247,6 +251,7 @@ SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_over_8_devices_equals_one_device():
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu")
@@ -255,3 +260,96 @@ def test_sharded_over_8_devices_equals_one_device():
                           text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "sharded ok" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# User logit processors: applied before the built-in chain, traced, no recompile.
+
+
+def ban_after_repeat(banned_table, logits, context):
+  """A processor with an array argument: bans banned_table[last token] for the next step."""
+  last = jnp.take_along_axis(context.tokens, jnp.maximum(context.step - 1, 0)[:, None], 1)[:, 0]
+  ban = jnp.where(context.step > 0, banned_table[last], -1)  # [B]
+  return jnp.where(jnp.arange(logits.shape[1])[None, :] == ban[:, None], -jnp.inf, logits)
+
+
+def test_logits_processors_run_before_the_chain_and_match_a_python_loop():
+  logits, state, positions = toy_model.prefill(TABLE, PROMPTS)
+  table = jnp.asarray(np.random.default_rng(4).integers(0, VOCAB, VOCAB), jnp.int32)
+  processor = jax.tree_util.Partial(ban_after_repeat, table)
+  params = mixed_params(len(PROMPTS), 3)
+  key = jax.random.key(9)
+  n = 12
+  out = decoding.decode(STEP, state, logits, key=key, params=params, max_new_tokens=n,
+                        positions=positions, eos_ids=[4], chunk_size=5,
+                        logits_processors=[processor])
+  # Reference: a Python loop that bans by hand, then samples as decode does.
+  row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(len(PROMPTS)))
+  tokens = np.zeros((len(PROMPTS), n), np.int32)
+  done = np.zeros(len(PROMPTS), bool)
+  for t in range(n):
+    x = np.asarray(logits).copy()
+    if t > 0:
+      x[np.arange(len(PROMPTS)), np.asarray(table)[tokens[:, t - 1]]] = -np.inf
+    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, t)
+    token = np.where(done, 0, np.asarray(jaxdecode.sample(keys, jnp.asarray(x), params)))
+    tokens[:, t] = token
+    done |= token == 4
+    if t < n - 1:
+      logits, state = STEP(state, jnp.asarray(token), positions + t)
+  np.testing.assert_array_equal(out.tokens, tokens)
+  # The ban held: no token follows the one its table entry bans.
+  for row, length in zip(np.asarray(out.tokens), np.asarray(out.lengths)):
+    for t in range(1, length):
+      assert row[t] != int(table[row[t - 1]])
+
+
+def test_greedy_rows_take_the_argmax_after_the_processors():
+  logits, state, positions = toy_model.prefill(TABLE, PROMPTS)
+  greedy = SamplingParams(temperature=0.0)
+  plain = decoding.decode(STEP, state, logits, key=jax.random.key(0), params=greedy,
+                          max_new_tokens=1, positions=positions)
+
+  def no_argmax(logits, context):
+    top = jnp.argmax(logits, 1)[:, None]  # [B, 1]
+    return jnp.where(jnp.arange(logits.shape[1])[None, :] == top, -jnp.inf, logits)
+
+  out = decoding.decode(STEP, state, logits, key=jax.random.key(0), params=greedy,
+                        max_new_tokens=1, positions=positions, logits_processors=[no_argmax])
+  second = np.argsort(-np.asarray(logits), axis=1, kind="stable")[:, 1]
+  assert (np.asarray(plain.tokens[:, 0]) != np.asarray(out.tokens[:, 0])).all()
+  np.testing.assert_array_equal(out.tokens[:, 0], second)
+
+
+def test_new_processor_arrays_do_not_recompile():
+  traces = []
+
+  def traced_ban(table, logits, context):
+    traces.append(1)
+    return ban_after_repeat(table, logits, context)
+
+  logits, state, positions = toy_model.prefill(TABLE, PROMPTS)
+  outputs = []
+  for seed in range(3):
+    table = jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, VOCAB), jnp.int32)
+    outputs.append(decoding.decode(
+        STEP, state, logits, key=jax.random.key(0), params=SamplingParams(temperature=0.0),
+        max_new_tokens=8, positions=positions,
+        logits_processors=[jax.tree_util.Partial(traced_ban, table)]).tokens)
+    if seed == 0:
+      first = len(traces)
+  assert len(traces) == first
+  assert not np.array_equal(outputs[0], outputs[1])  # the new tables did take effect
+
+
+def test_bad_logits_processors_raise_before_running():
+  logits, state, positions = toy_model.prefill(TABLE, PROMPTS)
+  args = dict(key=jax.random.key(0), params=SamplingParams(), max_new_tokens=3,
+              positions=positions)
+  with pytest.raises(ValueError, match="logits_processors must be a list of functions"):
+    decoding.decode(STEP, state, logits, logits_processors=ban_after_repeat, **args)
+  with pytest.raises(ValueError, match=r"logits_processors\[0\] must be a function"):
+    decoding.decode(STEP, state, logits, logits_processors=[3], **args)
+  with pytest.raises(ValueError, match=r"logits_processors\[0\] must return floating logits of "
+                                       r"shape \(8, 13\)"):
+    decoding.decode(STEP, state, logits, logits_processors=[lambda x, c: x[:, :3]], **args)

@@ -11,6 +11,7 @@ from jaxdecode.models import tokenizer, transformer
 MODULES = [_checks, decoding, params, processors, prompts, sampling, tokenizer, transformer]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)

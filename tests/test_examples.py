@@ -1,6 +1,7 @@
 """Every example runs (in a quick mode) and checks what it claims."""
 
 import importlib.util
+import re
 import os
 import runpy
 import subprocess
@@ -12,6 +13,8 @@ from flax import nnx
 
 from jaxdecode.models import training
 from jaxdecode.models import load_checkpoint
+
+pytestmark = pytest.mark.slow  # the whole module: it runs the real model end to end
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
@@ -113,3 +116,14 @@ def test_train_on_your_text_lowers_the_loss_and_reloads_exactly(tmp_path):
   loss = training.evaluate(*nnx.split(model), val, 64)
   assert metadata["steps"] == 60
   assert abs(loss - metadata["val_loss"]) < 0.01
+
+
+def test_constrained_decoding_writes_only_numbers_and_reuses_the_compiled_loop(capsys):
+  result = load("constrained_decoding.py")["main"](max_new_tokens=16)
+  out = capsys.readouterr().out
+  assert not result["recompiled"]
+  for texts in result["texts"].values():
+    for text in texts:
+      assert re.fullmatch(r"[0-9]+(\.[0-9]*)?", text), text
+  assert all(re.fullmatch(r"[a-z]+", w) for w in result["words"])
+  assert "every output is a number" in out and "compiled again: False" in out

@@ -43,6 +43,7 @@ def greedy_by_full_forward(model, prompt, n):
   return new
 
 
+@pytest.mark.slow
 def test_greedy_generate_equals_a_full_forward_argmax_loop(tiny):
   model, _ = tiny
   prompts = ["def f(x):", "a"]
@@ -54,6 +55,7 @@ def test_greedy_generate_equals_a_full_forward_argmax_loop(tiny):
   np.testing.assert_array_equal(out.logprobs, 0.0)  # greedy: a point mass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("penalize_prompt", [False, True])
 def test_greedy_generate_with_penalties_equals_a_penalized_full_forward_loop(tiny,
                                                                           penalize_prompt):
@@ -79,6 +81,7 @@ def test_greedy_generate_with_penalties_equals_a_penalized_full_forward_loop(tin
   assert (ord("e") in new[:5]) != penalize_prompt
 
 
+@pytest.mark.slow
 def test_same_seed_same_text_and_fields_are_consistent(tiny):
   model, _ = tiny
   params = jaxdecode.SamplingParams(temperature=1.0, top_p=0.95)
@@ -154,6 +157,7 @@ def test_evaluate_matches_a_hand_computed_uniform_model():
   assert nats == pytest.approx(math.log(CONFIG.vocab_size), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss_on_a_repetitive_corpus(tmp_path):
   corpus = tmp_path / "c.txt"
   corpus.write_text("abcabcabd " * 400)
@@ -172,6 +176,7 @@ def test_training_lowers_the_loss_on_a_repetitive_corpus(tmp_path):
                nnx.split(trained)[1], nnx.split(model)[1])
 
 
+@pytest.mark.slow
 def test_training_that_never_reaches_a_finite_loss_raises_instead_of_saving(tmp_path,
                                                                              monkeypatch):
   corpus = tmp_path / "c.txt"
@@ -192,6 +197,7 @@ def run_cli(capsys, *argv):
   return code, out.out, out.err
 
 
+@pytest.mark.slow
 def test_cli_generate_is_reproducible_and_prints_a_summary(tiny, capsys):
   _, path = tiny
   args = ["generate", "Hello", "print(", "--model", path, "--max-new-tokens", "6", "--seed", "5",
@@ -234,7 +240,7 @@ def test_cli_generate_passes_penalties_and_truncations_to_generate(tiny, capsys)
     (["generate", "x", "--max-new-tokens", "0"], "expected a positive integer, got '0'"),
     (["generate", "x" * 80], "does not fit the model's context of 64 tokens"),
     (["generate", "x", "--frobnicate"], "unrecognized arguments: --frobnicate"),
-    (["eval", "/no/such/file"], "is not a readable file"),
+    (["eval", "/no/such/file"], "does not exist"),
     (["bogus"], "invalid choice: 'bogus'"),
 ])
 def test_cli_user_mistakes_give_one_line_and_exit_2(tiny, capsys, argv, fragment):

@@ -8,6 +8,10 @@ with its line in the markdown file (the code is compiled with that file name and
 import pathlib
 import re
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the whole module: it runs the real model end to end
+
 GUIDE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "decoding.md"
 _BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 

@@ -28,6 +28,7 @@ def assert_same(actual, expected):
                              rtol=1e-6, atol=1e-6, equal_nan=True)
 
 
+@pytest.mark.slow
 def test_docstring_examples():
   result = doctest.testmod(metrics, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0

@@ -12,6 +12,8 @@ from nbclient import NotebookClient
 import jaxdecode
 from jaxdecode.tools import sweep
 
+pytestmark = pytest.mark.slow  # the whole module: it runs the real model end to end
+
 NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "colab", "jaxdecode.ipynb")
 CELL_TIMEOUT_S = 300  # quick mode takes about 70 s in all on 2 CPU cores
 

@@ -96,3 +96,41 @@ def test_params_work_as_vmap_in_axes_and_tree_map():
   out = jax.vmap(lambda q: q.temperature + q.top_p, in_axes=(axes,))(p)
   np.testing.assert_array_equal(out, [1.5, 2.0])
   assert jaxdecode.SamplingParams is SamplingParams
+
+
+def test_equality_is_identity_not_an_ambiguous_array_comparison():
+  p = SamplingParams(temperature=[0.5, 1.0])
+  q = SamplingParams(temperature=[0.5, 1.0])
+  assert p == p and p != q  # no "truth value of an array is ambiguous"
+  assert p in [p] and len({p, q}) == 2
+
+
+def test_rows_selects_permutes_and_slices_per_row_fields_and_keeps_shared_ones():
+  p = SamplingParams(temperature=[0.0, 0.5, 1.0], top_p=0.9,
+                     banned_token_ids=[[1], [2, 3], []], allowed_token_ids=[7, 8],
+                     logit_bias=[{1: 1.0}, None, {4: -2.0}])
+  q = p.rows(np.array([2, 0]))
+  assert q.temperature.tolist() == [1.0, 0.0]
+  assert float(q.top_p) == pytest.approx(0.9) and q.top_p.shape == ()
+  assert q.banned_token_ids.tolist() == [[-1] * 8, [1] + [-1] * 7]
+  assert q.allowed_token_ids.tolist() == p.allowed_token_ids.tolist()  # shared: unchanged
+  assert q.logit_bias[0][:, 0].tolist() == [4, 1] and q.logit_bias[1][:, 0].tolist() == [-2, 1]
+  # A slice, and the same rows of the broadcast params.
+  s = p.rows(slice(1, 3))
+  b = p.broadcast(3)
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.broadcast_to(x, y.shape), y),
+               s.broadcast(2), b.rows(slice(1, 3)))
+  # Sampling the selected rows equals sampling all rows and selecting.
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, 10)), jnp.float32)
+  keys = jax.random.split(jax.random.key(0), 3)
+  idx = np.array([2, 0, 1])
+  np.testing.assert_array_equal(jaxdecode.sample(keys[idx], logits[idx], p.rows(idx)),
+                                np.asarray(jaxdecode.sample(keys, logits, p))[idx])
+
+
+def test_broadcast_params_can_be_sharded_over_a_mesh():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  p = SamplingParams(temperature=[0.5, 1.0], top_k=3, banned_token_ids=[4])
+  placed = jax.device_put(p.broadcast(2), sharding)  # every leaf has the batch first
+  assert isinstance(placed, SamplingParams) and placed.top_k.tolist() == [3, 3]

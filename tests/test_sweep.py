@@ -13,6 +13,8 @@ from jaxdecode import SamplingParams
 from jaxdecode.tools import cli, sweep
 from jaxdecode.models import generate
 
+pytestmark = pytest.mark.slow  # the whole module: it runs the real model end to end
+
 EXPECTED_SETTINGS = ["greedy", "T=0.5", "T=0.7", "T=1", "T=1.3", "top-k 5", "top-k 20",
                      "top-k 100", "top-p 0.5", "top-p 0.8", "top-p 0.95", "min-p 0.05",
                      "min-p 0.1"]

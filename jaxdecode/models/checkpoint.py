@@ -95,18 +95,7 @@ def _expected_weights(config: TransformerConfig) -> dict:
 
 
 def _read(path: str) -> dict:
-  if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-    raise ValueError(f"model checkpoint must be a file path; got {path!r}")
-  path = os.fspath(path)
-  if os.path.isdir(path):
-    raise ValueError(f"model checkpoint {path!r} is a directory, not a checkpoint file")
-  if not os.path.exists(path):
-    raise ValueError(f"model checkpoint {path!r} does not exist")
-  try:
-    with open(path, "rb") as f:
-      data = f.read()
-  except OSError as e:
-    raise ValueError(f"model checkpoint {path!r} cannot be read ({e.strerror})") from None
+  data = _files.read_input(path, "model checkpoint")
   try:
     blob = serialization.msgpack_restore(data)
   except Exception as e:  # pylint: disable=broad-except  # any msgpack error means "not ours"

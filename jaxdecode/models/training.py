@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import sys
 import time
 from typing import Iterator
@@ -57,15 +56,7 @@ def load_corpus(path: str | None) -> np.ndarray:
   """The token stream of a text file, or of the default corpus when `path` is None."""
   if path is None:
     return encode_documents(default_corpus_documents())
-  if os.path.isdir(path):
-    raise ValueError(f"corpus {path!r} is a directory; give a UTF-8 text file")
-  if not os.path.exists(path):
-    raise ValueError(f"corpus {path!r} does not exist")
-  try:
-    with open(path, "rb") as f:
-      data = f.read()
-  except OSError as e:
-    raise ValueError(f"corpus {path!r} cannot be read ({e.strerror})") from None
+  data = _files.read_input(path, "corpus")
   try:
     data.decode("utf-8")
   except UnicodeDecodeError as e:

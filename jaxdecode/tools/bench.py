@@ -1,7 +1,7 @@
 """The benchmark suite: every figure is a ratio of two timings taken in the same process.
 
 Run it as `python -m jaxdecode.bench [--quick] [--json] [--runs N] [--no-decode] [--all-peers]`
-(or `jaxdecode bench`). The protocol (DESIGN.md, "Benchmark protocol"):
+(or `jaxdecode bench`). The protocol (docs/architecture.md, "Benchmark protocol"):
 
 - the functions of one table row are timed round-robin, run after run (each run starts at the
   next function, so no function always follows the same one), so that machine noise hits them
@@ -88,7 +88,7 @@ KERNEL_PARAMS = {
     "min_p": dict(min_p=0.05),
     "chain": dict(temperature=0.8, top_k=50, top_p=TOP_P, min_p=0.05),
 }
-# Issue 6's controls, timed in the same round robin (a second table). "penalties" gets token
+# The controls (penalties, token sets, typical/epsilon/eta), timed in the same round robin (a second table). "penalties" gets token
 # counts of CONTROL_SEEN random tokens per row; the token fields hold CONTROL_IDS ids per row.
 CONTROL_IDS = 32
 CONTROL_ALLOWED = 1000
@@ -198,7 +198,7 @@ def sort_top_p_mask(logits: jax.Array, top_p) -> jax.Array:
   """The top-p kept set computed the textbook way, by sorting: `bool[B, V]`, True if kept.
 
   Sort each row descending, softmax, exclusive cumulative sum: a token is kept iff the mass
-  before it is < p. Ties are resolved as DESIGN.md defines top-p (the mass of the tokens
+  before it is < p. Ties are resolved as jaxdecode.processors defines top-p (the mass of the tokens
   *strictly* more probable than i), so every member of a tie group gets the exclusive sum at the
   group's first position. float32.
 

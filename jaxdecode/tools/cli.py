@@ -131,12 +131,7 @@ def _generate(args) -> None:
 
 
 def _eval(args) -> None:
-  if os.path.isdir(args.file):
-    raise ValueError(f"{args.file!r} is a directory; give a text file")
-  if not os.path.isfile(args.file):
-    raise ValueError(f"{args.file!r} is not a readable file")
-  with open(args.file, "rb") as f:
-    data = np.frombuffer(f.read(), np.uint8).astype(np.int32)
+  data = np.frombuffer(_files.read_input(args.file, "text file"), np.uint8).astype(np.int32)
   if data.size == 0:
     raise ValueError(f"{args.file!r} is empty; nothing to evaluate")
   model = _load_model(args.model)
