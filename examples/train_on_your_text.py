@@ -76,8 +76,8 @@ def main(text: str | None = None, *, quick: bool = False, steps: int | None = No
   cfg = dataclasses.replace(setup["train"], seed=seed)
   if steps:
     cfg = dataclasses.replace(cfg, steps=steps, eval_every=steps if quick else max(1, steps // 4))
-  stream = default_text_stream() if text is None else training.load_corpus(text)
-  train_stream, val_stream = training.split_stream(stream)
+  data = training.as_corpus(default_text_stream() if text is None else text)
+  train_stream, val_stream = data.train, data.held_out
   print(f"text: {text or 'pydoc_data.topics ' + ', '.join(DEFAULT_TOPICS)}: "
         f"{len(train_stream)} training bytes, {len(val_stream)} held out")
   print(f"model: d_model {model_config.d_model}, {model_config.n_layers} layers, "
@@ -89,9 +89,9 @@ def main(text: str | None = None, *, quick: bool = False, steps: int | None = No
   before = training.evaluate(*nnx.split(initial), val_stream, cfg.seq_len)
   print(f"held-out loss before training: {before:.3f} nats/byte (uniform over 259 ids: "
         f"{np.log(259):.3f})")
-  # train() splits the stream the same way, reports the held-out loss every eval_every steps
-  # and returns the model with the best held-out loss.
-  trained, summary = training.train(model_config, cfg, corpus=stream, log=sys.stdout)
+  # train() reports the held-out loss every eval_every steps and returns the model with the
+  # best held-out loss.
+  trained, summary = training.train(model_config, cfg, corpus=data, log=sys.stdout)
   graphdef, weights = nnx.split(trained)
   after = training.evaluate(graphdef, weights, val_stream, cfg.seq_len)
   print(f"\nheld-out loss after training:  {after:.3f} nats/byte "

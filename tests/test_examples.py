@@ -112,7 +112,7 @@ def test_train_on_your_text_lowers_the_loss_and_reloads_exactly(tmp_path):
   assert all(isinstance(t, str) and t for t in result["texts"].values())
   # Independently: the file's model scores the held-out text as the trained model did.
   model, metadata = load_checkpoint(out)
-  val = training.split_stream(training.load_corpus(text))[1]
+  val = training.as_corpus(text).held_out
   loss = training.evaluate(*nnx.split(model), val, 64)
   assert metadata["steps"] == 60
   assert abs(loss - metadata["val_loss"]) < 0.01

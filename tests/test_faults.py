@@ -122,7 +122,7 @@ def test_an_interrupt_during_a_write_leaves_the_old_file(tmp_path, monkeypatch):
 def test_train_rejects_a_bad_out_before_training(capsys, tmp_path, monkeypatch, out, fragment):
   (tmp_path / "a_file").write_text("x")
   started = []
-  monkeypatch.setattr(cli.training, "load_corpus", lambda *a: started.append(1))
+  monkeypatch.setattr(cli.training, "as_corpus", lambda *a: started.append(1))
   code, _, err = run_cli(capsys, "train", "--out", out.replace("{tmp}", str(tmp_path)))
   one_line_error(code, err, fragment)
   assert not started  # nothing was trained, not even the corpus read

@@ -1,8 +1,8 @@
 """Train the small byte-level transformer on a text corpus with optax.
 
-The default corpus is the text of CPython's bundled `pydoc_data.topics` (present on every Python
-install, no download): each topic's text followed by an EOS token, so the model also learns to end.
-`--corpus FILE` takes any UTF-8 text file instead.
+The default corpus is the running Python's standard library (`jaxdecode.models.corpus`: no
+download, whole files held out); `--corpus FILE|DIR` takes your own text instead. Each document
+is followed by an EOS token, so the model also learns to end.
 
 Every training window starts with BOS, like a generation prompt does, and the loss is the mean
 next-token cross-entropy in nats per byte (the target tokens are bytes, plus the EOS ids).
@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxdecode import _checks
 from jaxdecode import _files
+from jaxdecode.models import corpus as corpus_module
 from jaxdecode.models.checkpoint import save_checkpoint
 from jaxdecode.models.tokenizer import ByteTokenizer
 from jaxdecode.models.transformer import Transformer, TransformerConfig
@@ -34,12 +35,6 @@ TOKENIZER = ByteTokenizer()
 
 # ---------------------------------------------------------------------------------------------
 # Data.
-
-
-def default_corpus_documents() -> list[str]:
-  """The topic texts of CPython's bundled pydoc_data.topics, in sorted topic order."""
-  from pydoc_data import topics  # pylint: disable=import-outside-toplevel
-  return [topics.topics[name] for name in sorted(topics.topics)]
 
 
 def encode_documents(documents: list[str], *, eos_between: bool = True) -> np.ndarray:
@@ -52,27 +47,20 @@ def encode_documents(documents: list[str], *, eos_between: bool = True) -> np.nd
   return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
 
-def load_corpus(path: str | None) -> np.ndarray:
-  """The token stream of a text file, or of the default corpus when `path` is None."""
-  if path is None:
-    return encode_documents(default_corpus_documents())
-  data = _files.read_input(path, "corpus")
-  try:
-    data.decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise ValueError(f"corpus {path!r} is not UTF-8 text ({e})") from e
-  return np.frombuffer(data, np.uint8).astype(np.int32)
+split_stream = corpus_module.split_stream
 
 
-def split_stream(stream: np.ndarray, *, every: int = 20, chunk: int = 4096):
-  """(train, validation): every `every`-th chunk of `chunk` tokens is held out."""
-  chunks = [stream[i:i + chunk] for i in range(0, len(stream), chunk)]
-  val = [c for i, c in enumerate(chunks) if i % every == every - 1]
-  train = [c for i, c in enumerate(chunks) if i % every != every - 1]
-  if not val:  # a tiny corpus: hold out its tail
-    cut = max(1, len(stream) // every)
-    return stream[:-cut], stream[-cut:]
-  return np.concatenate(train), np.concatenate(val)
+def as_corpus(corpus) -> corpus_module.Corpus:
+  """A `Corpus` from None (the standard library), a path (a file or a folder of text files), a
+  token stream (an int array, split by chunks), or a `Corpus`."""
+  if isinstance(corpus, corpus_module.Corpus):
+    return corpus
+  if isinstance(corpus, np.ndarray):
+    train, held = split_stream(corpus)
+    return corpus_module.Corpus(train=train, held_out=held, parts={"held out": held},
+                                description={"source": f"a token stream of {len(corpus)} "
+                                                       f"tokens"})
+  return corpus_module.build_corpus(corpus)
 
 
 def windows(stream: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -129,9 +117,10 @@ class TrainConfig:
   clip_norm: float = 1.0
   eval_every: int = 250
   seed: int = 0
+  eval_tokens: int = 65536  # held-out tokens of the periodic evaluations (the last uses all)
 
   def __post_init__(self):
-    for name in ("steps", "batch_size", "seq_len", "eval_every"):
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_tokens"):
       _checks.integer(name, getattr(self, name), low=1)
     _checks.integer("warmup_steps", self.warmup_steps, low=0)
     _checks.integer("seed", self.seed)
@@ -202,18 +191,21 @@ def _progress(step: int, total: int, loss: float, started: float, stream=sys.std
   stream.flush()
 
 
-def train(model_config: TransformerConfig, cfg: TrainConfig, *, corpus: str | None = None,
+def train(model_config: TransformerConfig, cfg: TrainConfig, *, corpus=None,
           out: str | None = None, log=sys.stderr):
   """Trains a new model on a corpus; returns `(model, summary)`.
 
-  The model holds the weights of the evaluation with the lowest validation loss (not the last
-  step's); the summary (losses, timings, settings: JSON-ready) is also the checkpoint metadata.
+  Every `eval_every` steps the held-out loss is measured on the first `eval_tokens` held-out
+  tokens; the model returned (and saved) holds the weights of the evaluation with the lowest
+  loss, not the last step's. At the end those weights are scored on every held-out token, part
+  by part (`summary["held_out"]`). The summary (losses, timings, settings, the corpus's
+  description: JSON-ready) is also the checkpoint metadata.
 
   Args:
     model_config: the model's sizes.
     cfg: the training settings.
-    corpus: a UTF-8 text file, or a token stream (an int array, e.g. `encode_documents(...)`;
-      default: `pydoc_data.topics`).
+    corpus: None (the standard library), a UTF-8 text file or a folder of them, a token stream
+      (an int array), or a `jaxdecode.models.corpus.Corpus`.
     out: where to save a checkpoint (checked before training starts; written atomically).
     log: where progress goes.
 
@@ -223,14 +215,17 @@ def train(model_config: TransformerConfig, cfg: TrainConfig, *, corpus: str | No
   """
   if out is not None:
     _files.check_output_file(out, "checkpoint")
-  stream = corpus if isinstance(corpus, np.ndarray) else load_corpus(corpus)
-  train_stream, val_stream = split_stream(stream)
+  data = as_corpus(corpus)
+  if cfg.seq_len > model_config.max_len:
+    raise ValueError(f"seq_len {cfg.seq_len} is longer than the model's max_len "
+                     f"{model_config.max_len}")
+  val_stream = data.held_out[:cfg.eval_tokens]
   model = Transformer(model_config, rngs=nnx.Rngs(cfg.seed))
   graphdef, weights = nnx.split(model)
   optimizer = make_optimizer(cfg)
   opt_state = optimizer.init(weights)
   step_fn = make_train_step(graphdef, optimizer)
-  batches = random_batches(train_stream, cfg.batch_size, cfg.seq_len, cfg.seed)
+  batches = random_batches(data.train, cfg.batch_size, cfg.seq_len, cfg.seed)
   history = []
   best, best_val = None, math.inf
   started = time.perf_counter()
@@ -243,26 +238,25 @@ def train(model_config: TransformerConfig, cfg: TrainConfig, *, corpus: str | No
       _progress(step, cfg.steps, float(loss), started, log)
     if step % cfg.eval_every == 0 or step == cfg.steps:
       val = evaluate(graphdef, weights, val_stream, cfg.seq_len)
-      history.append({"step": step, "train_loss": float(loss), "val_loss": val})
+      history.append({"step": step, "train_loss": float(loss), "val_loss": val,
+                      "seconds": time.perf_counter() - started})
       log.write(f"\n  step {step}: train {float(loss):.4f}  validation {val:.4f} nats/byte\n")
+      log.flush()
       if val <= best_val:  # keep the best weights, not the last (a NaN loss is never best)
         best, best_val = weights, val
   if best is None:
     raise ValueError(f"training diverged: the validation loss was never finite "
                      f"({[h['val_loss'] for h in history]}); lower the learning rate and train "
                      f"again")
-  summary = _metadata(cfg, corpus, history, train_stream, val_stream)
-  summary["seconds"] = time.perf_counter() - started
+  held_out = {name: evaluate(graphdef, best, part, cfg.seq_len)
+              for name, part in data.parts.items() if len(part)}
+  log.write("  held out: " + ", ".join(f"{k} {v:.4f}" for k, v in held_out.items())
+            + " nats/byte\n")
+  summary = {"train": dataclasses.asdict(cfg), "corpus": data.description,
+             "python": sys.version.split()[0], "train_tokens": int(len(data.train)),
+             "held_out_tokens": int(len(data.held_out)), "history": history,
+             "val_loss": best_val, "held_out": held_out,
+             "seconds": time.perf_counter() - started}
   if out is not None:
     save_checkpoint(out, model_config, best, metadata=summary)
   return nnx.merge(graphdef, best), summary
-
-
-def _metadata(cfg, corpus, history, train_stream, val_stream) -> dict:
-  name = (f"a token stream of {len(corpus)} tokens" if isinstance(corpus, np.ndarray) else
-          corpus or "pydoc_data.topics")
-  return {"train": dataclasses.asdict(cfg), "corpus": name,
-          "python": sys.version.split()[0], "train_tokens": int(len(train_stream)),
-          "val_tokens": int(len(val_stream)), "history": history,
-          "val_loss": min((h["val_loss"] for h in history if math.isfinite(h["val_loss"])),
-                          default=None)}

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
   t = sub.add_parser("train", help="train the small transformer with optax")
   t.add_argument("--corpus", default=None,
-                 help="a UTF-8 text file (default: CPython's bundled pydoc_data.topics)")
+                 help="a UTF-8 text file or a folder of them (default: this Python's standard "
+                      "library and pydoc topics; whole files are held out)")
   t.add_argument("--out", default="jaxdecode_model.msgpack",
                  help="checkpoint path (checked before training; written atomically)")
   t.add_argument("--steps", type=positive_int, default=1200)
@@ -83,8 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> None:
-  if args.seq_len > args.max_len:
-    raise ValueError(f"--seq-len {args.seq_len} is longer than --max-len {args.max_len}")
   model_config = models.TransformerConfig(d_model=args.d_model, n_layers=args.layers,
                                           n_heads=args.heads, d_ff=args.d_ff,
                                           max_len=args.max_len)
