@@ -84,3 +84,27 @@ def test_training_is_reproducible_for_the_same_seed_and_corpus(tmp_path):
                            for i, h in enumerate(sb["history"])]
   assert sa["corpus"]["sha256"] == sb["corpus"]["sha256"]
   assert set(sa["held_out"]) == {"held out"}
+
+
+def test_a_run_stopped_midway_leaves_its_best_checkpoint_so_far(tmp_path, monkeypatch):
+  folder = make_folder(tmp_path)
+  config = TransformerConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=32)
+  cfg = training.TrainConfig(steps=8, batch_size=2, seq_len=16, warmup_steps=1, eval_every=2)
+  out = tmp_path / "run.msgpack"
+  real_evaluate = training.evaluate
+  losses = iter([3.0, 2.0])
+
+  def evaluate_then_stop(*args, **kwargs):
+    real_evaluate(*args, **kwargs)
+    try:
+      return next(losses)
+    except StopIteration:
+      raise KeyboardInterrupt from None  # Ctrl-C during the third evaluation
+
+  monkeypatch.setattr(training, "evaluate", evaluate_then_stop)
+  with pytest.raises(KeyboardInterrupt):
+    training.train(config, cfg, corpus=str(folder), out=str(out), log=io.StringIO())
+  from jaxdecode.models import load_checkpoint
+  _, metadata = load_checkpoint(str(out))
+  assert metadata["finished"] is False and metadata["val_loss"] == 2.0
+  assert [h["step"] for h in metadata["history"]] == [2, 4]

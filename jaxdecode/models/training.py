@@ -197,9 +197,11 @@ def train(model_config: TransformerConfig, cfg: TrainConfig, *, corpus=None,
 
   Every `eval_every` steps the held-out loss is measured on the first `eval_tokens` held-out
   tokens; the model returned (and saved) holds the weights of the evaluation with the lowest
-  loss, not the last step's. At the end those weights are scored on every held-out token, part
-  by part (`summary["held_out"]`). The summary (losses, timings, settings, the corpus's
-  description: JSON-ready) is also the checkpoint metadata.
+  loss, not the last step's. With `out`, each evaluation that lowers the loss also saves them
+  (atomically), so a long run can be stopped at any time and leaves its best model so far. At
+  the end the best weights are scored on every held-out token, part by part
+  (`summary["held_out"]`). The summary (losses, timings, settings, the corpus's description:
+  JSON-ready) is the checkpoint metadata.
 
   Args:
     model_config: the model's sizes.
@@ -244,6 +246,9 @@ def train(model_config: TransformerConfig, cfg: TrainConfig, *, corpus=None,
       log.flush()
       if val <= best_val:  # keep the best weights, not the last (a NaN loss is never best)
         best, best_val = weights, val
+        if out is not None and step < cfg.steps:
+          save_checkpoint(out, model_config, best, metadata=dict(
+              summary(data, cfg, history, best_val, {}, started), finished=False))
   if best is None:
     raise ValueError(f"training diverged: the validation loss was never finite "
                      f"({[h['val_loss'] for h in history]}); lower the learning rate and train "
@@ -252,11 +257,16 @@ def train(model_config: TransformerConfig, cfg: TrainConfig, *, corpus=None,
               for name, part in data.parts.items() if len(part)}
   log.write("  held out: " + ", ".join(f"{k} {v:.4f}" for k, v in held_out.items())
             + " nats/byte\n")
-  summary = {"train": dataclasses.asdict(cfg), "corpus": data.description,
-             "python": sys.version.split()[0], "train_tokens": int(len(data.train)),
-             "held_out_tokens": int(len(data.held_out)), "history": history,
-             "val_loss": best_val, "held_out": held_out,
-             "seconds": time.perf_counter() - started}
+  result = dict(summary(data, cfg, history, best_val, held_out, started), finished=True)
   if out is not None:
-    save_checkpoint(out, model_config, best, metadata=summary)
-  return nnx.merge(graphdef, best), summary
+    save_checkpoint(out, model_config, best, metadata=result)
+  return nnx.merge(graphdef, best), result
+
+
+def summary(data, cfg: TrainConfig, history: list, best_val: float, held_out: dict,
+            started: float) -> dict:
+  """The JSON-ready record of a run (the checkpoint's metadata)."""
+  return {"train": dataclasses.asdict(cfg), "corpus": data.description,
+          "python": sys.version.split()[0], "train_tokens": int(len(data.train)),
+          "held_out_tokens": int(len(data.held_out)), "history": list(history),
+          "val_loss": best_val, "held_out": held_out, "seconds": time.perf_counter() - started}
