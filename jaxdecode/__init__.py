@@ -20,12 +20,20 @@ from jaxdecode.sampling import greedy
 from jaxdecode.sampling import sample
 from jaxdecode.sampling import sample_with_logprobs
 from jaxdecode.sampling import selectable
+from jaxdecode.speculative import DraftContext
+from jaxdecode.speculative import ModelDrafter
+from jaxdecode.speculative import NgramDrafter
+from jaxdecode.speculative import SpeculativeOutput
+from jaxdecode.speculative import speculative_decode
 
 __version__ = "0.2.0"
 
 __all__ = [
     "DecodeContext",
     "DecodeOutput",
+    "DraftContext",
+    "ModelDrafter",
+    "NgramDrafter",
     "SamplingParams",
     "decode",
     "greedy",
@@ -39,5 +47,7 @@ __all__ = [
     "sample",
     "sample_with_logprobs",
     "selectable",
+    "speculative_decode",
+    "SpeculativeOutput",
     "token_counts",
 ]

@@ -42,15 +42,15 @@ class DecodeOutput:
   state: Any
 
 
-def check_step_output(out, state, batch: int, vocab: int) -> None:
-  """Raises ValueError (at trace time) unless step_fn returned ([B, V] float logits, state)."""
+def check_step_output(out, state, shape: tuple) -> None:
+  """Raises ValueError (at trace time) unless step_fn returned (float logits of `shape`, state)
+  with the state's structure, shapes and dtypes unchanged."""
   if not (isinstance(out, tuple) and len(out) == 2):
-    raise ValueError(f"step_fn must return a pair (logits[B, V], state); got {type(out).__name__}")
+    raise ValueError(f"step_fn must return a pair (logits, state); got {type(out).__name__}")
   logits, new_state = out
-  if jnp.shape(logits) != (batch, vocab) or not jnp.issubdtype(jnp.result_type(logits),
-                                                                jnp.floating):
-    raise ValueError(f"step_fn must return logits of shape ({batch}, {vocab}) and a floating "
-                     f"dtype, like the prefill logits; got shape {jnp.shape(logits)} and dtype "
+  if jnp.shape(logits) != shape or not jnp.issubdtype(jnp.result_type(logits), jnp.floating):
+    raise ValueError(f"step_fn must return logits of shape {shape} and a floating dtype, like "
+                     f"the prefill logits; got shape {jnp.shape(logits)} and dtype "
                      f"{jnp.result_type(logits)}")
   expected = jax.tree.structure(state)
   if jax.tree.structure(new_state) != expected:
@@ -72,25 +72,30 @@ def make_spec(key, params: SamplingParams, positions, eos_ids, pad_id, logits_pr
                        logits_processors=logits_processors)
 
 
+def first_step(spec: loop.LoopSpec, model_state, logits, counts, max_new_tokens: int):
+  """The loop state after step 0, drawn from the prefill's logits (no model call)."""
+  s = loop.init_state(spec, model_state, counts, max_new_tokens)
+  token, logprob = loop.draw(spec, s, logits, jnp.zeros(logits.shape[:1], jnp.int32))
+  return loop.record(spec, s, token, logprob)
+
+
 def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, counts,
             logits_processors, *, max_new_tokens: int, chunk_size: int):
   batch, vocab = logits.shape
   spec = make_spec(key, params, positions, eos_ids, pad_id, logits_processors, batch=batch,
                    vocab=vocab)
   check_step_output(jax.eval_shape(step_fn, state, jnp.zeros(batch, jnp.int32), positions),
-                    state, batch, vocab)
+                    state, (batch, vocab))
   loop.check_processors(spec, batch, vocab, max_new_tokens)
-
-  def draw_and_record(s: loop.LoopState, logits, t) -> loop.LoopState:
-    token, logprob = loop.draw(spec, s, logits, jnp.full((batch,), t, jnp.int32))
-    return loop.record(spec, s, token, logprob)
 
   def advance(s: loop.LoopState, t) -> loop.LoopState:
     """Step t >= 1: feed token t - 1, draw token t."""
     logits, model_state = step_fn(s.model_state, s.last, positions + t - 1)
-    return draw_and_record(s.replace(model_state=model_state), logits, t)
+    s = s.replace(model_state=model_state)
+    token, logprob = loop.draw(spec, s, logits, jnp.full((batch,), t, jnp.int32))
+    return loop.record(spec, s, token, logprob)
 
-  s = draw_and_record(loop.init_state(spec, state, counts, max_new_tokens), logits, 0)
+  s = first_step(spec, state, logits, counts, max_new_tokens)
   s = loop.run_chunks(advance, s, first=1, rounds=max_new_tokens - 1, chunk=chunk_size)
   return DecodeOutput(s.tokens, s.logprobs, s.lengths, s.finished, s.model_state)
 

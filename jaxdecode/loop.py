@@ -160,19 +160,21 @@ def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Arra
            live: jax.Array | None = None) -> LoopState:
   """Appends `token[b]` (with `logprob[b]`) to every row b that is `live` (default: `state.live`).
 
-  The token goes to column `lengths[b]`; the row's count of it grows by one; an EOS id finishes
-  the row. A row that is not live keeps its buffers, and its `last` becomes pad_id.
+  The token goes to column `lengths[b]` and becomes the row's `last`; the row's count of it grows
+  by one; an EOS id finishes the row. Rows not recorded keep their buffers; a finished row's
+  `last` is pad_id (what the model is fed for it from then on).
   """
-  live = state.live if live is None else live & state.live
+  recorded = state.live if live is None else live & state.live
   rows = jnp.arange(token.shape[0])
-  column = jnp.where(live, state.lengths, state.tokens.shape[1])  # N: dropped
+  column = jnp.where(recorded, state.lengths, state.tokens.shape[1])  # N: dropped
+  finished = state.finished | (recorded & spec.is_eos[token])
   return state.replace(
-      last=jnp.where(live, token, spec.pad_id),
+      last=jnp.where(recorded, token, jnp.where(finished, spec.pad_id, state.last)),
       tokens=state.tokens.at[rows, column].set(token, mode="drop"),
       logprobs=state.logprobs.at[rows, column].set(logprob, mode="drop"),
-      lengths=state.lengths + live,
-      finished=state.finished | (live & spec.is_eos[token]),
-      counts=state.counts.at[rows, token].add(live.astype(jnp.int32)))
+      lengths=state.lengths + recorded,
+      finished=finished,
+      counts=state.counts.at[rows, token].add(recorded.astype(jnp.int32)))
 
 
 def all_done(state: LoopState) -> jax.Array:

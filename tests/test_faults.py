@@ -237,7 +237,7 @@ def test_cli_reports_checkpoint_problems_in_one_line(capsys, tmp_path):
   one_line_error(code, err, "is a directory")
   code, _, err = run_cli(capsys, "train", "--corpus", str(tmp_path), "--out",
                          str(tmp_path / "m.msgpack"))
-  one_line_error(code, err, "is a directory")
+  one_line_error(code, err, "holds 0 UTF-8 text file(s)")  # a folder corpus with no text
 
 
 # ---------------------------------------------------------------------------------------------
