@@ -31,7 +31,9 @@ entropy in nats):
 How the top-k, top-p and typical-p sets are found exactly without a sort is
 `jaxdecode.threshold`'s subject. A step that no row uses is skipped (a `lax.cond` on the batch).
 
-Numerics: all math runs in float32 whatever the input dtype. Input hygiene:
+Numerics: all math runs in float32 whatever the input dtype, and every sum over the vocabulary
+is `jaxdecode._reduce.row_sum`, whose order of additions depends on V alone, so a row's result
+is bitwise the same in any batch. Input hygiene:
 
 - NaN logits become -inf (a NaN is never selected);
 - token sets come first, so a banned +inf logit is simply removed; then a row with +inf logits
@@ -54,6 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxdecode import _checks
+from jaxdecode import _reduce
 from jaxdecode import threshold
 from jaxdecode.params import SamplingParams, as_field
 
@@ -164,11 +167,11 @@ def first_argmax(x: jax.Array) -> jax.Array:
 def distribution(x: jax.Array):
   """(p, log p, H) of softmax(x) per row: [B, V], [B, V], [B, 1]; p = 0 and H = 0 for empty rows."""
   e, m = threshold.unnormalized_probs(x)
-  z = jnp.sum(e, axis=-1, keepdims=True)
+  z = _reduce.row_sum(e, keepdims=True)
   ok = z > 0
   p = jnp.where(ok, e / jnp.where(ok, z, 1.0), 0.0)
   log_p = jnp.where(e > 0, x - m - jnp.log(jnp.where(ok, z, 1.0)), _NEG_INF)
-  entropy = -jnp.sum(jnp.where(e > 0, p * log_p, 0.0), axis=-1, keepdims=True)
+  entropy = -_reduce.row_sum(jnp.where(e > 0, p * log_p, 0.0), keepdims=True)
   return p, log_p, entropy
 
 

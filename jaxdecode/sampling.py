@@ -8,9 +8,11 @@ Key policy (the reproducibility contract; docs/architecture.md):
 - A row draws exactly one uniform number from its own key and nothing else, so its token depends
   only on its key, its logits and its params: not on the batch size, its slot or the other rows.
 
-Sampling is an inverse-CDF draw over the processed distribution, done in two levels (blocks of
-the vocabulary, then tokens inside the chosen block) so that no full-vocabulary cumulative sum is
-needed. It can only return a token of positive processed probability.
+Sampling is an inverse-CDF draw over the processed distribution, done in two levels (lanes of
+the vocabulary, then tokens inside the chosen lane) so that no full-vocabulary cumulative sum is
+needed. It can only return a token of positive processed probability. Every sum over the
+vocabulary has an order of additions fixed by V alone (`jaxdecode._reduce`), so a row's token
+and log-probability are bitwise the same in any batch.
 """
 
 from __future__ import annotations
@@ -19,12 +21,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxdecode import _checks
+from jaxdecode import _reduce
 from jaxdecode import processors
 from jaxdecode import threshold
 from jaxdecode.params import SamplingParams
-
-_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
-
 
 def row_keys(key, batch_size: int) -> jax.Array:
   """Typed keys `[batch_size]`, one per row, following the key policy."""
@@ -43,6 +43,12 @@ def _first_true(mask: jax.Array) -> jax.Array:
 def inverse_cdf(x: jax.Array, u: jax.Array):
   """Draws one token per row from softmax(x), given one uniform in [0, 1) per row.
 
+  The cumulative distribution runs over the tokens in a fixed order that suits a batch-invariant
+  sum (`jaxdecode._reduce`): lane by lane, where lane l holds the tokens l, L + l, 2L + l, ...
+  First the lane whose cumulative mass passes u * total, then the token inside that lane. Any
+  fixed order gives every token its probability; this one needs only one pass over [B, V] (the
+  lane sums) and sums whose bits do not depend on the batch.
+
   Args:
     x: float32[B, V] processed logits (-inf for removed tokens).
     u: float32[B] uniforms.
@@ -52,27 +58,29 @@ def inverse_cdf(x: jax.Array, u: jax.Array):
     nothing selectable give token 0 and log-probability NaN.
   """
   batch, vocab = x.shape
-  block = min(_BLOCK, vocab)
-  blocks = -(-vocab // block)
+  lanes = _reduce.lanes_for(vocab)
+  chunks = -(-vocab // lanes)
   e, m = threshold.unnormalized_probs(x)  # [B, V], [B, 1]
-  e = jnp.pad(e, ((0, 0), (0, blocks * block - vocab))).reshape(batch, blocks, block)
-
-  block_mass = jnp.sum(e, axis=-1)  # [B, nb]
-  block_cdf = jnp.cumsum(block_mass, axis=-1)  # [B, nb]
-  total = block_cdf[:, -1]  # [B]
+  lane_mass = _reduce.lane_sums(e)  # [B, L]
+  lane_cdf = _reduce.row_cumsum(lane_mass)  # [B, L]
+  total = _reduce.tree_sum(lane_mass)  # [B], the row sum
   target = u * total
-  # The first block whose cumulative mass passes the target; never an empty block.
-  b = _first_true((block_cdf > target[:, None]) & (block_mass > 0))
-  b = jnp.where(jnp.any((block_cdf > target[:, None]) & (block_mass > 0), axis=-1), b,
-                blocks - 1 - _first_true((block_mass > 0)[:, ::-1]))  # rounding: last non-empty
-  inside = jnp.take_along_axis(e, b[:, None, None], axis=1)[:, 0]  # [B, block]
-  before = jnp.take_along_axis(block_cdf - block_mass, b[:, None], axis=1)[:, 0]  # [B]
-  cdf = jnp.cumsum(inside, axis=-1)
-  hit = (cdf > (target - before)[:, None]) & (inside > 0)
-  j = jnp.where(jnp.any(hit, axis=-1), _first_true(hit),
-                block - 1 - _first_true((inside > 0)[:, ::-1]))  # rounding: last positive
+  # The first lane whose cumulative mass passes the target; never an empty lane.
+  passes = (lane_cdf > target[:, None]) & (lane_mass > 0)
+  lane = jnp.where(jnp.any(passes, axis=-1), _first_true(passes),
+                   lanes - 1 - _first_true((lane_mass > 0)[:, ::-1]))  # rounding: last non-empty
+  # The lane's tokens, from the logits (exp recomputed for these `chunks` entries only).
+  member_ids = lane[:, None] + lanes * jnp.arange(chunks, dtype=jnp.int32)[None, :]  # [B, M]
+  in_vocab = member_ids < vocab
+  members = jnp.take_along_axis(x, jnp.minimum(member_ids, vocab - 1), axis=1)
+  members = jnp.where(in_vocab & (m > -jnp.inf), jnp.exp(members - m), 0.0)  # [B, M]
+  before = jnp.take_along_axis(lane_cdf - lane_mass, lane[:, None], axis=1)[:, 0]  # [B]
+  cdf = _reduce.row_cumsum(members)
+  hit = (cdf > (target - before)[:, None]) & (members > 0)
+  i = jnp.where(jnp.any(hit, axis=-1), _first_true(hit),
+                chunks - 1 - _first_true((members > 0)[:, ::-1]))  # rounding: last positive
   ok = total > 0
-  token = jnp.where(ok, b * block + j, 0).astype(jnp.int32)
+  token = jnp.where(ok, i * lanes + lane, 0).astype(jnp.int32)
 
   x_token = jnp.take_along_axis(x, token[:, None], axis=1)[:, 0]
   logprob = jnp.where(ok, x_token - m[:, 0] - jnp.log(total), jnp.nan)

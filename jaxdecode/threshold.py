@@ -14,7 +14,8 @@ Two ways to find it, both exact:
 - Bisection (`largest_threshold`): over the 32 bits of the float32 order, most significant bit
   first: 32 masked reductions over `[B, V]`. Any row, any k or p; typical-p always uses it.
 
-Which way a row goes depends only on that row, so a row's result never depends on the batch. No
+Which way a row goes depends only on that row, and every sum is `_reduce.row_sum` (an order of
+additions fixed by V alone), so a row's result never depends on the batch, bit for bit. No
 data-dependent shapes; everything is jittable.
 """
 
@@ -23,6 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxdecode import _reduce
 
 NEG_INF = float("-inf")
 TINY = float(jnp.finfo(jnp.float32).tiny)
@@ -60,7 +63,7 @@ def largest_threshold(keys: jax.Array, weights, target: jax.Array) -> jax.Array:
   """
   def body(i, t):
     candidate = t | (jnp.uint32(1) << jnp.asarray(31 - i, jnp.uint32))  # [B]
-    reached = jnp.sum(jnp.where(keys >= candidate[:, None], weights, 0), axis=-1)
+    reached = _reduce.row_sum(jnp.where(keys >= candidate[:, None], weights, 0.0))
     return jnp.where(reached >= target, candidate, t)
 
   return lax.fori_loop(0, 32, body, jnp.zeros(keys.shape[:1], jnp.uint32))
@@ -95,7 +98,7 @@ def thresholds_by_bisection(x: jax.Array, k: jax.Array, p: jax.Array) -> jax.Arr
       lambda: no_cut)
   e, _ = unnormalized_probs(x)
   e = jnp.where(x >= tau_k[:, None], e, 0.0)  # the distribution after top-k
-  target = jnp.maximum(p, TINY) * jnp.sum(e, axis=-1)
+  target = jnp.maximum(p, TINY) * _reduce.row_sum(e)
   tau_p = lax.cond(jnp.any(p < 1),
                    lambda: jnp.where(p < 1, value_of_key(largest_threshold(keys, e, target)),
                                      NEG_INF),
@@ -123,16 +126,16 @@ def thresholds_from_candidates(x: jax.Array, k: jax.Array, p: jax.Array, candida
   e = jnp.where(values >= tau_k[:, None], e, 0.0)  # after top-k
   # Z: the candidates' mass when top-k cut inside them, else the whole row's (a full pass over
   # the vocabulary, skipped when every row has top-k).
-  z_row = lax.cond(jnp.any(~k_active), lambda: jnp.sum(unnormalized_probs(x)[0], axis=-1),
+  z_row = lax.cond(jnp.any(~k_active), lambda: _reduce.row_sum(unnormalized_probs(x)[0]),
                    lambda: jnp.zeros(k.shape, jnp.float32))
-  z = jnp.where(k_active, jnp.sum(e, axis=-1), z_row)
+  z = jnp.where(k_active, _reduce.row_sum(e), z_row)
   target = jnp.maximum(p, TINY) * z
   # Mass strictly above each candidate: the exclusive cumulative mass at its value's first slot.
   iota = lax.broadcasted_iota(jnp.int32, values.shape, 1)
   new_value = jnp.concatenate([jnp.ones_like(values[:, :1], bool),
                                values[:, 1:] != values[:, :-1]], axis=1)
   first_slot = lax.cummax(jnp.where(new_value, iota, 0), axis=1)
-  above = jnp.take_along_axis(jnp.cumsum(e, axis=1) - e, first_slot, axis=1)
+  above = jnp.take_along_axis(_reduce.row_cumsum(e) - e, first_slot, axis=1)
   kept = (values >= tau_k[:, None]) & ((above < target[:, None]) | (p >= 1)[:, None])
   tau = jnp.min(jnp.where(kept, values, jnp.inf), axis=-1)
   tau = jnp.where(k_active | (p < 1), tau, NEG_INF)
@@ -167,6 +170,6 @@ def typical_keep(p: jax.Array, log_p: jax.Array, entropy: jax.Array,
   keys = jnp.where(p > 0, order_keys(jnp.where(p > 0, score, 0.0)), jnp.uint32(0))
   # Every kept p is a normal float (XLA flushes subnormals), so a target of at least TINY keeps
   # the most typical token; typical_p * sum(p) alone can flush to 0 and keep nothing.
-  target = jnp.maximum(typical_p * jnp.sum(p, axis=-1), TINY)
+  target = jnp.maximum(typical_p * _reduce.row_sum(p), TINY)
   tau = largest_threshold(keys, p, target)
   return (keys >= tau[:, None]) & (p > 0)
