@@ -12,7 +12,7 @@ it again:
   through it gives `decode`'s tokens;
 - `record`: appends one token to the rows that are still live (EOS, pad, lengths, counts);
 - `run_chunks`: repeats a step in scanned chunks and stops after the first chunk that leaves no
-  live row.
+  live row (or, for a loop with a stopping rule of its own, after the first that satisfies it).
 
 Key policy: step t of a row (t = the tokens that row has generated before) samples with
 `fold_in(row_key, t)`, whatever loop draws it.
@@ -179,14 +179,18 @@ def all_done(state: LoopState) -> jax.Array:
   return ~jnp.any(state.live)
 
 
-def run_chunks(advance: Callable[[LoopState, jax.Array], LoopState], state: LoopState, *,
-               first: int, rounds: int, chunk: int) -> LoopState:
-  """`advance(state, i)` for i = first .. first + rounds - 1, stopping early once no row is live.
+def run_chunks(advance: Callable[[Any, jax.Array], Any], state: Any, *, first: int, rounds: int,
+               chunk: int, done: Callable[[Any], jax.Array] = all_done) -> Any:
+  """`advance(state, i)` for i = first .. first + rounds - 1, stopping early once `done(state)`.
 
   The rounds run in `lax.scan` chunks of `chunk` inside a `lax.while_loop` over chunks, so the
   per-round loop overhead (and, on accelerators, the device-to-host check) is paid per chunk;
-  the loop stops after the first chunk that leaves no live row. A last partial chunk runs under
-  a `lax.cond`. `first`, `rounds` and `chunk` are static.
+  the loop stops after the first chunk that leaves `done(state)` true. A last partial chunk runs
+  under a `lax.cond`. `first`, `rounds` and `chunk` are static.
+
+  `state` is a `LoopState` and `done` is `all_done` (no row is live) for `decode`; a loop with a
+  state of its own (beam search carries its finished hypotheses beside the beams' `LoopState`)
+  passes its own `done`, a bool[] of that state.
   """
   if rounds <= 0:
     return state
@@ -204,11 +208,11 @@ def run_chunks(advance: Callable[[LoopState, jax.Array], LoopState], state: Loop
 
   def chunk_cond(loop):
     c, state = loop
-    return (c < full_chunks) & ~all_done(state)
+    return (c < full_chunks) & ~done(state)
 
   _, state = lax.while_loop(chunk_cond, chunk_body, (jnp.int32(0), state))
   if tail:
-    state = lax.cond(all_done(state), lambda s: s,
+    state = lax.cond(done(state), lambda s: s,
                      lambda s: scan(s, first + rounds - tail, tail), state)
   return state
 
