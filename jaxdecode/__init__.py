@@ -6,6 +6,8 @@ lives in `jaxdecode.models`, the command and its tools in `jaxdecode.tools`.
 
 from jaxdecode import metrics
 from jaxdecode import processors
+from jaxdecode.beam import BeamOutput
+from jaxdecode.beam import beam_search
 from jaxdecode.decoding import DecodeOutput
 from jaxdecode.decoding import decode
 from jaxdecode.loop import DecodeContext
@@ -24,9 +26,11 @@ from jaxdecode.sampling import selectable
 __version__ = "0.2.0"
 
 __all__ = [
+    "BeamOutput",
     "DecodeContext",
     "DecodeOutput",
     "SamplingParams",
+    "beam_search",
     "decode",
     "greedy",
     "left_pad",
