@@ -257,6 +257,7 @@ def test_beam_table_on_a_tiny_model():
             "settings": {"runs": 5, "warmup": 2, "seconds": 1.0, "decode_batch": 2,
                          "max_new_tokens": 6, "beam_size": 3}}
   table = bench.format_table(result)
-  assert "Beam search: jaxdecode.beam_search with K = 3 beams" in table
+  assert "Beam search: jaxdecode.beam_search, K = 3 beams, vs greedy decode; batch 2" in table
+  assert max(len(line) for line in table.splitlines()) <= 100
   assert any(line.startswith("tiny ") for line in table.splitlines()) and "skipped" in table
   json.dumps(bench._finite(result), allow_nan=False)

@@ -33,9 +33,10 @@ Tables:
    search feeds B * K * N tokens through the model, greedy B * N).
 
 Duration on 2 idle CPU cores (AMD EPYC): `--quick` about 2 minutes, the default run about 8
-(kernels 7, decode 1); up to twice that when the cores are shared. It scales with the samplers' own speed. The sort-based peers are slow at large sizes, so by
-default they are timed only where B*V <= `PEER_MAX_ELEMENTS` (B <= 8, and B = 64 with V = 32000);
-`--all-peers` times them everywhere (about 20-30 more minutes).
+(kernels 7, decode 1), plus the beam table (1-2 minutes; 4 on a loaded machine); up to twice that
+when the cores are shared. It scales with the samplers' own speed. The sort-based peers are slow at
+large sizes, so by default they are timed only where B*V <= `PEER_MAX_ELEMENTS` (B <= 8, and B = 64
+with V = 32000); `--all-peers` times them everywhere (about 20-30 more minutes).
 
 From Python: `run_benchmarks(...)` returns every median and ratio as one dict (what `--json`
 prints) and `format_table(result)` renders it (what the README pastes); `kernel_table`,
@@ -765,8 +766,8 @@ def format_table(result: Mapping) -> str:
     lines.append("")
   beam_rows = result.get("beam", [])
   if beam_rows:
-    lines += [f"Beam search: jaxdecode.beam_search with K = {s['beam_size']} beams versus greedy "
-              f"decode, batch {s['decode_batch']}, {s['max_new_tokens']} new tokens, no EOS"]
+    lines += [f"Beam search: jaxdecode.beam_search, K = {s['beam_size']} beams, vs greedy "
+              f"decode; batch {s['decode_batch']}, {s['max_new_tokens']} new tokens, no EOS"]
     header = (f"{'model':<11} {'V':>6} {'greedy ms':>9} {'beam ms':>9} {'beam tok/s':>10} "
               f"{'beam/greedy tok/s':>17} {'model tokens':>12}")
     lines += [header, "-" * len(header)]
