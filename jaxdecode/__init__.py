@@ -6,6 +6,8 @@ lives in `jaxdecode.models`, the command and its tools in `jaxdecode.tools`.
 
 from jaxdecode import metrics
 from jaxdecode import processors
+from jaxdecode.beam import BeamOutput
+from jaxdecode.beam import beam_search
 from jaxdecode.decoding import DecodeOutput
 from jaxdecode.decoding import decode
 from jaxdecode.loop import DecodeContext
@@ -29,12 +31,14 @@ from jaxdecode.speculative import speculative_decode
 __version__ = "0.2.0"
 
 __all__ = [
+    "BeamOutput",
     "DecodeContext",
     "DecodeOutput",
     "DraftContext",
     "ModelDrafter",
     "NgramDrafter",
     "SamplingParams",
+    "beam_search",
     "decode",
     "greedy",
     "left_pad",

@@ -50,6 +50,39 @@ def boolean(name: str, value) -> bool:
   return bool(value)
 
 
+def real(name: str, value):
+  """A finite real number as a Python float (a traced scalar is returned as it is).
+
+  Examples:
+    >>> real("length_penalty", 2)
+    2.0
+    >>> real("length_penalty", float("nan"))
+    Traceback (most recent call last):
+    ...
+    ValueError: length_penalty must be a finite number; got nan
+  """
+  if is_traced(value):
+    if jnp.shape(value) != ():
+      raise ValueError(f"{name} must be a scalar; got shape {jnp.shape(value)}")
+    return value
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)) and jnp.shape(value) == () \
+      and (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
+    value = value.item()
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) \
+      or not np.isfinite(float(value)):
+    raise ValueError(f"{name} must be a finite number; got {value!r:.80}")
+  return float(value)
+
+
+def early_stopping(value):
+  """True, False or "never" (transformers' `early_stopping` values); 0 and 1 are refused."""
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  if isinstance(value, str) and value == "never":
+    return value
+  raise ValueError(f"early_stopping must be True, False or \"never\"; got {value!r:.80}")
+
+
 def instance(name: str, value, cls: type, what: str):
   """`value` if it is a `cls`; else ValueError ("{name} must be {what}; got {type}")."""
   if not isinstance(value, cls):

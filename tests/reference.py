@@ -213,3 +213,56 @@ def hf_eta_removed(scores, eta):
   entropy = -np.sum(probs * logp, axis=-1, keepdims=True)
   threshold = np.minimum(eta, np.sqrt(eta) * np.exp(-entropy))
   return (probs < threshold) & (scores < scores.max(axis=-1, keepdims=True))
+
+
+# Beam search.
+
+
+def log_softmax64(x):
+  x = np.asarray(x, np.float64)
+  m = np.max(x)
+  if m == -np.inf:
+    return np.full(x.shape, -np.inf)
+  return x - m - np.log(np.sum(np.exp(x - m)))
+
+
+def reference_beam_search(next_logprobs, *, beam_size, max_new_tokens, eos_ids=(),
+                          length_penalty=1.0, early_stopping=True):
+  """One row of transformers' beam search, in plain Python with float64 scores.
+
+  Candidates: the best max(2, 1 + #eos) * K (score, beam, token) of the live beams' extensions.
+  Of the K best, those ending (EOS, or the last step) become hypotheses scored
+  sum / length ** length_penalty, unless the row is closed; the K best that go on are the next
+  beams. The row closes once it has K hypotheses and either early_stopping is True or the best
+  beam, bounded at the current length (at N for "never" with a positive penalty), cannot beat
+  the worst hypothesis.
+
+  Returns:
+    (hypotheses [(score, tokens)] best first, the step at which the row closed).
+  """
+  k, n = beam_size, max_new_tokens
+  beams = [((), 0.0)]
+  hyps = []
+  for t in range(n):
+    cands = sorted(((score + lp, i, v) for i, (toks, score) in enumerate(beams)
+                    for v, lp in enumerate(next_logprobs(toks)) if lp > -np.inf),
+                   key=lambda c: (-c[0], c[1], c[2]))[:max(2, 1 + len(eos_ids)) * k]
+    next_beams = []
+    for rank, (score, i, v) in enumerate(cands):
+      toks = beams[i][0] + (v,)
+      if v in eos_ids or t == n - 1:
+        if rank < k:
+          hyps.append((score / (t + 1) ** length_penalty, toks))
+      elif len(next_beams) < k:
+        next_beams.append((toks, score))
+    hyps = sorted(hyps, key=lambda h: -h[0])[:k]
+    beams = next_beams
+    if t == n - 1:
+      return hyps, t
+    if len(hyps) == k:
+      if early_stopping is True:
+        return hyps, t
+      bound = n if early_stopping == "never" and length_penalty > 0 else t + 1
+      if not beams[0][1] / bound ** length_penalty > hyps[-1][0]:
+        return hyps, t
+  raise AssertionError("unreachable")

@@ -50,7 +50,8 @@ def test_kernel_rows_have_every_median_and_ratio(kernel_result):
 def test_result_is_valid_json_and_formats_as_a_table(kernel_result):
   text = json.dumps(bench._finite(kernel_result), allow_nan=False)
   back = json.loads(text)
-  assert set(back) == {"command", "machine", "settings", "notes", "kernel", "decode"}
+  assert set(back) == {"command", "machine", "settings", "notes", "kernel", "decode", "beam"}
+  assert back["decode"] == back["beam"] == []  # decode=False skips both model tables
   assert back["settings"]["runs"] == 5 and back["settings"]["seconds"] > 0
   for field in ("platform", "cpu_count", "device_kind", "devices", "jax"):
     assert back["machine"][field]
@@ -210,12 +211,16 @@ def test_main_prints_json_or_a_table(kernel_result, capsys, monkeypatch):
   back = json.loads(capsys.readouterr().out)
   assert back["command"] == "python -m jaxdecode.bench --quick --json --no-decode --runs 5"
   assert seen["quick"] and seen["runs"] == 5 and not seen["decode"] and not seen["all_peers"]
+  assert seen["beam"] is None  # follows --no-decode
   ratios = [v for row in back["kernel"] for v in row["ratio"].values()]
   assert ratios and all(_positive_finite(v) for v in ratios)
   assert bench.main(["--quick", "--all-peers"], prog="jaxdecode bench") == 0
   out = capsys.readouterr().out
   assert out.startswith("$ jaxdecode bench --quick --all-peers\n") and "argmax ms" in out
   assert seen["all_peers"] and seen["decode"] and seen["runs"] is None
+  assert bench.main(["--quick", "--no-beam"]) == 0
+  capsys.readouterr()
+  assert seen["beam"] is False and seen["decode"]
 
 
 def test_decode_table_skips_a_model_whose_context_is_too_short():
@@ -224,3 +229,35 @@ def test_decode_table_skips_a_model_whose_context_is_too_short():
 
   (row,) = bench.decode_table([("short", short)], runs=5, batch=2, max_new_tokens=8)
   assert row["model"] == "short" and "max_len" in row["skipped"]
+
+
+@pytest.mark.slow
+def test_beam_table_on_a_tiny_model():
+  def tiny():
+    return bench.random_model(300, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=64)
+
+  def short():
+    return bench.random_model(300, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=12)
+
+  rows = bench.beam_table([("tiny", tiny), ("short", short)], runs=5, batch=2,
+                          max_new_tokens=6, beam_size=3)
+  row = rows[0]
+  assert (row["model"], row["vocab"], row["batch"], row["beam_size"], row["max_new_tokens"],
+          row["runs"]) == ("tiny", 300, 2, 3, 6, 5)
+  assert set(row["median_s"]) == set(row["tokens_per_s"]) == {"greedy", "beam"}
+  for value in [*row["median_s"].values(), *row["tokens_per_s"].values(),
+                *row["ratio"].values()]:
+    assert _positive_finite(value)
+  r = row["ratio"]
+  assert r["beam_vs_greedy"] == row["median_s"]["greedy"] / row["median_s"]["beam"]
+  assert r["beam_model_tokens_vs_greedy"] == pytest.approx(3 * r["beam_vs_greedy"])
+  assert rows[1]["model"] == "short" and "max_len" in rows[1]["skipped"]
+  result = {"command": "", "machine": bench.machine_info(), "notes": [], "kernel": [],
+            "decode": [], "beam": rows,
+            "settings": {"runs": 5, "warmup": 2, "seconds": 1.0, "decode_batch": 2,
+                         "max_new_tokens": 6, "beam_size": 3}}
+  table = bench.format_table(result)
+  assert "Beam search: jaxdecode.beam_search, K = 3 beams, vs greedy decode; batch 2" in table
+  assert max(len(line) for line in table.splitlines()) <= 100
+  assert any(line.startswith("tiny ") for line in table.splitlines()) and "skipped" in table
+  json.dumps(bench._finite(result), allow_nan=False)

@@ -5,10 +5,10 @@ import doctest
 import pytest
 
 import jaxdecode
-from jaxdecode import _checks, decoding, params, processors, prompts, sampling
+from jaxdecode import _checks, beam, decoding, params, processors, prompts, sampling
 from jaxdecode.models import tokenizer, transformer
 
-MODULES = [_checks, decoding, params, processors, prompts, sampling, tokenizer, transformer]
+MODULES = [_checks, beam, decoding, params, processors, prompts, sampling, tokenizer, transformer]
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import jaxdecode
+import reference
 from jaxdecode.models import training
 from jaxdecode.tools import cli
 from jaxdecode.models import (ByteTokenizer, Transformer, TransformerConfig, forward, generate,
@@ -53,6 +54,30 @@ def test_greedy_generate_equals_a_full_forward_argmax_loop(tiny):
     expected = greedy_by_full_forward(model, prompt, 10)
     assert out.tokens[row, :out.lengths[row]].tolist() == expected
   np.testing.assert_array_equal(out.logprobs, 0.0)  # greedy: a point mass
+
+
+@pytest.mark.slow
+def test_beam_generate_equals_a_full_forward_beam_search(tiny):
+  model, _ = tiny
+  graphdef, weights = nnx.split(model)
+  prompts, k, r, n = ["def f(x):", "a"], 3, 2, 8
+  out = generate(prompts, model=model, max_new_tokens=n, beam_size=k, num_return=r,
+                 length_penalty=0.6)
+  assert out.scores.shape == (2, r) and [len(b) for b in out.beams] == [r, r]
+  for row, prompt in enumerate(prompts):
+    ids = TOK.encode(prompt)
+
+    def next_logprobs(new, ids=ids):  # independent of the cache: the whole sequence each time
+      seq, length = jaxdecode.left_pad([ids + list(new)], pad_id=TOK.PAD, width=32)
+      return reference.log_softmax64(forward(graphdef, weights, seq, length)[0, -1])
+
+    hyps, _ = reference.reference_beam_search(next_logprobs, beam_size=k, max_new_tokens=n,
+                                              eos_ids=(TOK.EOS,), length_penalty=0.6)
+    for i, (score, toks) in enumerate(hyps[:r]):
+      assert out.beams[row][i] == TOK.decode(list(toks))
+      assert out.scores[row, i] == pytest.approx(score, rel=1e-5)
+    assert out.texts[row] == out.beams[row][0]
+    assert out.tokens[row, :out.lengths[row]].tolist() == list(hyps[0][1])
 
 
 @pytest.mark.slow
@@ -228,6 +253,27 @@ def test_cli_generate_passes_penalties_and_truncations_to_generate(tiny, capsys)
           "frequency_penalty=0.2 min_new_tokens=4 penalize_prompt seed=0") in out
 
 
+@pytest.mark.slow
+def test_cli_beams_prints_the_best_beams_with_their_scores(tiny, capsys):
+  model, path = tiny
+  code, out, _ = run_cli(capsys, "generate", "Hi", "x =", "--model", path, "--beams", "3",
+                         "--num-return", "2", "--max-new-tokens", "5", "--length-penalty", "0.5")
+  assert code == 0
+  expected = generate(["Hi", "x ="], model=model, max_new_tokens=5, beam_size=3, num_return=2,
+                      length_penalty=0.5)
+  lines = out.splitlines()
+  for i, prompt in enumerate(["Hi", "x ="]):
+    for r in range(2):
+      header = f"--- [{i + 1}] {prompt!r} beam {r + 1}/2 score {expected.scores[i, r]:.4f}"
+      assert header in lines
+      text = "\n".join(lines[lines.index(header) + 1:])
+      assert text.startswith(prompt + expected.beams[i][r])
+  assert "--- beams=3 num_return=2 length_penalty=0.5 | 2 prompt(s)" in out
+  code, out, _ = run_cli(capsys, "generate", "Hi", "--model", path, "--beams", "2",
+                         "--max-new-tokens", "3")
+  assert code == 0 and "--- [1] 'Hi' score " in out and "beam 1/" not in out
+
+
 @pytest.mark.parametrize("argv,fragment", [
     (["generate", ""], "prompt 1 is empty"),
     (["generate", "x", "--typical-p", "0"], "typical_p must be"),
@@ -237,6 +283,10 @@ def test_cli_generate_passes_penalties_and_truncations_to_generate(tiny, capsys)
     (["generate", "x", "--max-new-tokens", "0"], "expected a positive integer, got '0'"),
     (["generate", "x" * 80], "does not fit the model's context of 64 tokens"),
     (["generate", "x", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["generate", "x", "--num-return", "2"], "add --beams K"),
+    (["generate", "x", "--beams", "2", "--greedy"], "--greedy and --beams exclude each other"),
+    (["generate", "x", "--beams", "2", "--num-return", "3"], "--num-return 3 is more than"),
+    (["generate", "x", "--beams", "0"], "expected a positive integer, got '0'"),
     (["eval", "/no/such/file"], "does not exist"),
     (["bogus"], "invalid choice: 'bogus'"),
 ])

@@ -12,6 +12,7 @@ from jaxdecode.models.generate import Generation
 from jaxdecode.models.generate import generate
 from jaxdecode.models.metrics import teacher_forced_logits
 from jaxdecode.models.tokenizer import ByteTokenizer
+from jaxdecode.models.transformer import DECODE_STATE_AXES
 from jaxdecode.models.transformer import DecodeState
 from jaxdecode.models.transformer import KVCache
 from jaxdecode.models.transformer import Transformer
@@ -23,6 +24,7 @@ from jaxdecode.models.transformer import prefill
 
 __all__ = [
     "ByteTokenizer",
+    "DECODE_STATE_AXES",
     "DecodeState",
     "Generation",
     "KVCache",

@@ -11,10 +11,11 @@ import numpy as np
 from flax import nnx
 
 from jaxdecode import _checks
+from jaxdecode.beam import beam_search
 from jaxdecode.decoding import decode
 from jaxdecode.models.checkpoint import load_default
 from jaxdecode.models.tokenizer import ByteTokenizer
-from jaxdecode.models.transformer import Transformer, make_step_fn, prefill
+from jaxdecode.models.transformer import DECODE_STATE_AXES, Transformer, make_step_fn, prefill
 from jaxdecode.params import SamplingParams
 from jaxdecode.processors import token_counts
 from jaxdecode.prompts import bucket_length, left_pad, prompt_mask
@@ -33,6 +34,9 @@ class Generation:
     lengths: int32[B] new tokens per row, including the EOS if any.
     finished: bool[B] whether the row ended with EOS.
     seconds: wall-clock time of the whole call (the first call includes compilation).
+    beams: with `beam_size`, the `num_return` best continuations of each prompt, best first
+      (`texts` and the arrays above hold the best one); None otherwise.
+    scores: with `beam_size`, float32[B, num_return] their beam scores; None otherwise.
   """
 
   texts: list
@@ -41,6 +45,8 @@ class Generation:
   lengths: np.ndarray
   finished: np.ndarray
   seconds: float
+  beams: list | None = None
+  scores: np.ndarray | None = None
 
   @property
   def tokens_per_second(self) -> float:
@@ -56,7 +62,8 @@ def _step_fn(graphdef):
 def generate(prompts: Sequence[str], *, model: Transformer | None = None,
              params: SamplingParams | None = None, seed: int = 0, key=None,
              max_new_tokens: int = 128, tokenizer: ByteTokenizer | None = None,
-             penalize_prompt: bool = False) -> Generation:
+             penalize_prompt: bool = False, beam_size: int | None = None,
+             num_return: int | None = None, length_penalty: float = 1.0) -> Generation:
   """Continues each text prompt; all prompts run as one batch.
 
   Args:
@@ -70,6 +77,11 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
     penalize_prompt: whether the prompt's tokens count for the penalties of `params` (HF's
       repetition_penalty does count them); by default only generated tokens count (OpenAI's
       and vLLM's presence and frequency penalties).
+    beam_size: None (the default) samples with `params` and `key`; K runs
+      `jaxdecode.beam_search` with K beams per prompt instead (deterministic: no key; `params`
+      apply to every beam, see `beam_search`).
+    num_return: with `beam_size`, how many of the best beams to return per prompt (default K).
+    length_penalty: with `beam_size`, the exponent of the length in the beam scores.
 
   Returns:
     A `Generation`. The same key, prompts and params give the same texts.
@@ -105,6 +117,9 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
   if penalize_prompt:
     counts = token_counts(tokens, model.config.vocab_size,
                           mask=prompt_mask(lengths, tokens.shape[1]))
+  if beam_size is not None:
+    return _beam_generation(graphdef, state, logits, lengths, counts, started, tokenizer, params,
+                            max_new_tokens, beam_size, num_return, length_penalty)
   out = decode(_step_fn(graphdef), state, logits, key=key, params=params,
                max_new_tokens=max_new_tokens, positions=lengths, eos_ids=[tokenizer.EOS],
                pad_id=tokenizer.PAD, counts=counts)
@@ -114,3 +129,20 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
   texts = [tokenizer.decode(row[:n]) for row, n in zip(new_tokens, out_lengths)]
   return Generation(texts, new_tokens, np.asarray(out.logprobs), out_lengths,
                     np.asarray(out.finished), seconds)
+
+
+def _beam_generation(graphdef, state, logits, lengths, counts, started, tokenizer, params,
+                     max_new_tokens, beam_size, num_return, length_penalty) -> Generation:
+  """`generate` with beam search, from the prefill on: the best beam in the main fields, the
+  `num_return` best in `beams` and `scores`."""
+  out = beam_search(_step_fn(graphdef), state, logits, beam_size=beam_size,
+                    num_return=num_return, max_new_tokens=max_new_tokens, positions=lengths,
+                    eos_ids=[tokenizer.EOS], pad_id=tokenizer.PAD, length_penalty=length_penalty,
+                    params=params, counts=counts, state_axes=DECODE_STATE_AXES)
+  tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)  # [B, R, N], [B, R]
+  seconds = time.perf_counter() - started
+  beams = [[tokenizer.decode(t[:n]) for t, n in zip(row, row_lengths)]
+           for row, row_lengths in zip(tokens, lengths)]
+  return Generation([row[0] for row in beams], tokens[:, 0], np.asarray(out.logprobs)[:, 0],
+                    lengths[:, 0], np.asarray(out.finished)[:, 0], seconds, beams=beams,
+                    scores=np.asarray(out.scores))

@@ -120,6 +120,11 @@ class DecodeState:
   cache: KVCache
 
 
+# Each DecodeState leaf's batch axis, for `jaxdecode.beam_search(..., state_axes=...)`: the weights
+# are shared, the caches' k and v are [L, B, S, H, Dh], their start is [B].
+DECODE_STATE_AXES = DecodeState(weights=None, cache=KVCache(k=1, v=1, start=0))
+
+
 def init_cache(config: TransformerConfig, batch_size: int, length: int) -> KVCache:
   """An all-zero cache of `length` slots per row, every row starting at slot 0.
 

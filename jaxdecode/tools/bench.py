@@ -27,15 +27,20 @@ Tables:
    versus greedy, for the embedded default model and a random-weights model with a 32000-token
    vocabulary; the first call (compilation included) versus a later one; and a decode whose rows
    all hit EOS at once versus the same decode without EOS.
+3. Beam search. `jaxdecode.beam_search` with K = 4 beams versus greedy `decode` on the same 8
+   prompts and 64 new tokens (no EOS, so both run every step), on the embedded model: tokens/s
+   of the returned sequences (each search returns B * N tokens) and of the model's work (the
+   search feeds B * K * N tokens through the model, greedy B * N).
 
 Duration on 2 idle CPU cores (AMD EPYC): `--quick` about 2 minutes, the default run about 8
-(kernels 7, decode 1); up to twice that when the cores are shared. It scales with the samplers' own speed. The sort-based peers are slow at large sizes, so by
-default they are timed only where B*V <= `PEER_MAX_ELEMENTS` (B <= 8, and B = 64 with V = 32000);
-`--all-peers` times them everywhere (about 20-30 more minutes).
+(kernels 7, decode 1), plus the beam table (1-2 minutes; 4 on a loaded machine); up to twice that
+when the cores are shared. It scales with the samplers' own speed. The sort-based peers are slow at
+large sizes, so by default they are timed only where B*V <= `PEER_MAX_ELEMENTS` (B <= 8, and B = 64
+with V = 32000); `--all-peers` times them everywhere (about 20-30 more minutes).
 
 From Python: `run_benchmarks(...)` returns every median and ratio as one dict (what `--json`
 prints) and `format_table(result)` renders it (what the README pastes); `kernel_table`,
-`decode_table`, `time_round_robin` and the sort-based reference `sort_top_p_sample` /
+`decode_table`, `beam_table`, `time_round_robin` and the sort-based reference `sort_top_p_sample` /
 `sort_top_p_mask` work on their own. `main(argv)` is the command line.
 """
 
@@ -62,7 +67,8 @@ from flax import nnx
 
 import jaxdecode
 from jaxdecode import _files
-from jaxdecode.models import Transformer, TransformerConfig, load_default, make_step_fn, prefill
+from jaxdecode.models import (DECODE_STATE_AXES, Transformer, TransformerConfig, load_default,
+                              make_step_fn, prefill)
 from jaxdecode.params import SamplingParams
 from jaxdecode.prompts import bucket_length
 from jaxdecode.tools._args import OneLineParser
@@ -79,6 +85,7 @@ WARMUP = 2  # calls of every function before timing (the first one compiles)
 PEER_MAX_ELEMENTS = 2_100_000  # B*V above which the sort-based peers are skipped by default
 ZIPF_EXPONENT = 1.1 * 3  # "lm" logits: -ZIPF_EXPONENT * ln(rank)
 TOP_P = 0.9
+BEAM_SIZE = 4  # the beam table's K
 
 # The jaxdecode samplers of a kernel row, in table order.
 KERNEL_PARAMS = {
@@ -489,6 +496,90 @@ def decode_table(models: Sequence[tuple[str, Callable[[], Any]]] | None = None, 
 
 
 # ---------------------------------------------------------------------------------------------
+# Table 3: beam search.
+
+
+def beam_row(name: str, model, *, runs: int = RUNS, batch: int = 8, max_new_tokens: int = 64,
+             beam_size: int = BEAM_SIZE, seed: int = 0) -> dict:
+  """Times `jaxdecode.beam_search` with `beam_size` beams against greedy `decode` on one model.
+
+  Both run round-robin on the same prefill (done once, outside), without EOS, so every row runs
+  all `max_new_tokens` steps in both.
+
+  Args:
+    name: the row's label.
+    model: a `jaxdecode.models.Transformer`.
+    runs: timed runs.
+    batch: prompts per call.
+    max_new_tokens: N.
+    beam_size: K.
+    seed: seed of the prompts.
+
+  Returns:
+    A dict with `model`, `vocab`, `batch`, `beam_size`, `max_new_tokens`, `runs`, `median_s`
+    (greedy, beam), `tokens_per_s` (greedy and beam: B * N returned tokens over the median) and
+    `ratio`: `beam_vs_greedy` (beam tokens/s over greedy tokens/s) and
+    `beam_model_tokens_vs_greedy` (the same with the B * K * N tokens the search feeds the model).
+  """
+  vocab = model.config.vocab_size
+  prompts = _prompts(vocab, batch, seed)
+  width = bucket_length(max(len(p) for p in prompts))
+  if width + max_new_tokens > model.config.max_len:
+    raise ValueError(f"prompt width {width} + max_new_tokens {max_new_tokens} exceeds the "
+                     f"model's max_len {model.config.max_len}")
+  tokens, lengths = jaxdecode.left_pad(prompts, width=width)
+  graphdef, weights = nnx.split(model)
+  logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=width + max_new_tokens)
+  step_fn = make_step_fn(graphdef)
+  greedy = SamplingParams(temperature=0.0)
+  key = jax.random.key(seed)
+  medians = _medians(time_round_robin({
+      "greedy": lambda: jaxdecode.decode(step_fn, state, logits, key=key, params=greedy,
+                                         max_new_tokens=max_new_tokens,
+                                         positions=lengths).tokens,
+      "beam": lambda: jaxdecode.beam_search(step_fn, state, logits, beam_size=beam_size,
+                                            max_new_tokens=max_new_tokens, positions=lengths,
+                                            state_axes=DECODE_STATE_AXES).tokens,
+  }, runs))
+  new_tokens = batch * max_new_tokens
+  return {
+      "model": name, "vocab": vocab, "batch": batch, "beam_size": beam_size,
+      "max_new_tokens": max_new_tokens, "runs": runs, "median_s": medians,
+      "tokens_per_s": {"greedy": new_tokens / medians["greedy"],
+                       "beam": new_tokens / medians["beam"]},
+      "ratio": {"beam_vs_greedy": medians["greedy"] / medians["beam"],
+                "beam_model_tokens_vs_greedy": beam_size * medians["greedy"] / medians["beam"]},
+  }
+
+
+def beam_table(models: Sequence[tuple[str, Callable[[], Any]]] | None = None, *,
+               runs: int = RUNS, batch: int = 8, max_new_tokens: int = 64,
+               beam_size: int = BEAM_SIZE,
+               progress: Callable[[str], None] | None = None) -> list[dict]:
+  """Beam rows (see `beam_row`); models as in `decode_table` (default: the embedded model)."""
+  if models is None:
+    models = (("default", _default_model),)
+  rows = []
+  for name, loader in models:
+    started = time.perf_counter()
+    try:
+      model = loader()
+    except Exception as e:  # pylint: disable=broad-except  # any failure to load skips the row
+      row = {"model": name, "skipped": f"could not load the model: {type(e).__name__}: {e}"}
+    else:
+      try:
+        row = beam_row(name, model, runs=runs, batch=batch, max_new_tokens=max_new_tokens,
+                       beam_size=beam_size)
+      except ValueError as e:
+        row = {"model": name, "skipped": f"{type(e).__name__}: {e}"}
+    rows.append(row)
+    if progress:
+      progress(f"beam {name}: " + (f"skipped ({row['skipped']})" if "skipped" in row else
+                                   f"{time.perf_counter() - started:.0f} s"))
+  return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # The whole run, and its output.
 
 
@@ -515,9 +606,10 @@ def machine_info() -> dict:
 
 
 def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool = True,
-                   all_peers: bool = False, batches: Sequence[int] | None = None,
+                   beam: bool | None = None, all_peers: bool = False, batches: Sequence[int] | None = None,
                    vocabs: Sequence[int] | None = None, shapes: Sequence[str] = SHAPES,
                    decode_models: Sequence[tuple[str, Callable[[], Any]]] | None = None,
+                   beam_models: Sequence[tuple[str, Callable[[], Any]]] | None = None,
                    decode_batch: int = 8, max_new_tokens: int | None = None, command: str = "",
                    progress: Callable[[str], None] | None = None) -> dict:
   """Runs the kernel (and decode) tables; returns everything as one JSON-ready dict.
@@ -526,19 +618,22 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
     quick: the smaller grid (B=8, V in {32000, 128256}; 32 new tokens) and 10 runs by default.
     runs: timed runs per row (default 20, or 10 with `quick`).
     decode: include the decode table.
+    beam: include the beam-search table (default: when the decode table is included).
     all_peers: time the sort-based peers at every size.
     batches: the kernel table's B values (default: by `quick`).
     vocabs: the kernel table's V values (default: by `quick`).
     shapes: the kernel table's logit shapes.
     decode_models: (name, loader) pairs for `decode_table` (default: its two models).
-    decode_batch: prompts per decode call.
-    max_new_tokens: tokens per decode row (default 64, or 32 with `quick`).
+    beam_models: (name, loader) pairs for `beam_table` (default: the embedded model).
+    decode_batch: prompts per decode (and beam search) call.
+    max_new_tokens: tokens per decode and beam row (default 64, or 32 with `quick`).
     command: the command line, recorded in the result.
     progress: called with a line after each row.
 
   Returns:
-    `{"command", "machine", "settings", "notes", "kernel": [rows], "decode": [rows]}`; the rows
-    are those of `kernel_table` and `decode_table`, `settings["seconds"]` the total duration.
+    `{"command", "machine", "settings", "notes", "kernel": [rows], "decode": [rows],
+    "beam": [rows]}`; the rows are those of `kernel_table`, `decode_table` and `beam_table`,
+    `settings["seconds"]` the total duration.
   """
   runs = runs or (QUICK_RUNS if quick else RUNS)
   started = time.perf_counter()
@@ -561,9 +656,15 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
                     max_new_tokens=max_new_tokens or (32 if quick else 64))
     decode_rows = decode_table(decode_models, runs=runs, batch=decode_batch,
                                max_new_tokens=settings["max_new_tokens"], progress=progress)
+  beam_rows = []
+  if decode if beam is None else beam:
+    settings.update(decode_batch=decode_batch, beam_size=BEAM_SIZE,
+                    max_new_tokens=max_new_tokens or (32 if quick else 64))
+    beam_rows = beam_table(beam_models, runs=runs, batch=decode_batch,
+                           max_new_tokens=settings["max_new_tokens"], progress=progress)
   settings["seconds"] = time.perf_counter() - started
   return {"command": command, "machine": machine_info(), "settings": settings, "notes": notes,
-          "kernel": kernel, "decode": decode_rows}
+          "kernel": kernel, "decode": decode_rows, "beam": beam_rows}
 
 
 _WIDTH = 100  # the width of the legend lines
@@ -663,6 +764,28 @@ def format_table(result: Mapping) -> str:
         "(compiles) over a later one; EOS-stop/full: a greedy decode whose rows all emit EOS in "
         "the first step(s) over the same decode without EOS.", _WIDTH)
     lines.append("")
+  beam_rows = result.get("beam", [])
+  if beam_rows:
+    lines += [f"Beam search: jaxdecode.beam_search, K = {s['beam_size']} beams, vs greedy "
+              f"decode; batch {s['decode_batch']}, {s['max_new_tokens']} new tokens, no EOS"]
+    header = (f"{'model':<11} {'V':>6} {'greedy ms':>9} {'beam ms':>9} {'beam tok/s':>10} "
+              f"{'beam/greedy tok/s':>17} {'model tokens':>12}")
+    lines += [header, "-" * len(header)]
+    for row in beam_rows:
+      if "skipped" in row:
+        lines += textwrap.wrap(f"{row['model']:<11} skipped: {row['skipped']}", _WIDTH,
+                               subsequent_indent=" " * 12)
+        continue
+      r = row["ratio"]
+      lines.append(f"{row['model']:<11} {row['vocab']:>6} {row['median_s']['greedy'] * 1e3:>9.1f} "
+                   f"{row['median_s']['beam'] * 1e3:>9.1f} {row['tokens_per_s']['beam']:>10.0f} "
+                   f"{_fmt(r['beam_vs_greedy']):>17} "
+                   f"{_fmt(r['beam_model_tokens_vs_greedy']):>12}")
+    lines += textwrap.wrap(
+        "beam/greedy tok/s: returned tokens per second (B * N each) of beam search over greedy; "
+        "model tokens: the same with the B * K * N tokens beam search feeds the model (1.00 = "
+        "each beam costs what a greedy row costs).", _WIDTH)
+    lines.append("")
   for note in result["notes"]:
     lines += textwrap.wrap(f"note: {note}", _WIDTH, subsequent_indent="  ")
   return "\n".join(lines).strip("\n") + "\n"
@@ -697,6 +820,7 @@ def build_parser(prog: str = "python -m jaxdecode.bench") -> argparse.ArgumentPa
                       help=f"timed runs per row (default {RUNS}; --quick: {QUICK_RUNS}, at "
                            f"least {MIN_RUNS})")
   parser.add_argument("--no-decode", action="store_true", help="skip the decode table")
+  parser.add_argument("--no-beam", action="store_true", help="skip the beam-search table")
   parser.add_argument("--all-peers", action="store_true",
                       help=f"time the sort-based peers also where B*V > {PEER_MAX_ELEMENTS} "
                            f"(20-30 minutes more)")
@@ -735,7 +859,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jaxdecode.
     print(f"[bench] {line}", file=sys.stderr, flush=True)
 
   result = run_benchmarks(quick=args.quick, runs=args.runs, decode=not args.no_decode,
-                          all_peers=args.all_peers,
+                          beam=False if args.no_beam else None, all_peers=args.all_peers,
                           command=f"{prog} {shlex.join(argv)}".strip(), progress=progress)
   text = json.dumps(_finite(result), indent=1, sort_keys=False, allow_nan=False)
   if args.out is not None:

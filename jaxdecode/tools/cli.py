@@ -33,9 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
 
   g = sub.add_parser("generate", help="continue text prompts with the embedded model")
   g.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
-  g.add_argument("--temperature", type=number, default=0.8)
+  g.add_argument("--temperature", type=number, default=None,
+                 help="default 0.8 (1, the model's own distribution, with --beams)")
   g.add_argument("--top-k", type=integer, default=0)
-  g.add_argument("--top-p", type=number, default=0.95)
+  g.add_argument("--top-p", type=number, default=None, help="default 0.95 (1 with --beams)")
   g.add_argument("--min-p", type=number, default=0.0)
   g.add_argument("--typical-p", type=number, default=1.0)
   g.add_argument("--epsilon-cutoff", type=number, default=0.0)
@@ -51,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--seed", type=seed, default=0)
   g.add_argument("--max-new-tokens", type=positive_int, default=160)
   g.add_argument("--greedy", action="store_true", help="temperature 0 (overrides --temperature)")
+  g.add_argument("--beams", type=positive_int, default=None, metavar="K",
+                 help="beam search with K beams instead of sampling (transformers' num_beams; "
+                      "deterministic, --seed unused)")
+  g.add_argument("--num-return", type=positive_int, default=1, metavar="R",
+                 help="with --beams: print the R best beams of each prompt, with their scores")
+  g.add_argument("--length-penalty", type=number, default=1.0,
+                 help="with --beams: beam score = sum of log-probs / length ** this")
   g.add_argument("--model", default=None, help="a checkpoint from `jaxdecode train` "
                                                "(default: the embedded model)")
 
@@ -109,22 +117,49 @@ def _generate(args) -> None:
   for i, prompt in enumerate(args.prompts):
     if not prompt.strip():
       raise ValueError(f"prompt {i + 1} is empty; give some text to continue")
+  beams = args.beams
+  if beams is None and (args.num_return != 1 or args.length_penalty != 1.0):
+    raise ValueError("--num-return and --length-penalty apply to beam search: add --beams K")
+  if beams is not None and args.greedy:
+    raise ValueError("--greedy and --beams exclude each other: beam search is already "
+                     "deterministic (--greedy would make every beam a point mass)")
+  if beams is not None and args.num_return > beams:
+    raise ValueError(f"--num-return {args.num_return} is more than --beams {beams}: the search "
+                     f"keeps {beams} beams per prompt")
   temperature = 0.0 if args.greedy else args.temperature
+  if temperature is None:
+    temperature = 1.0 if beams else 0.8
+  top_p = args.top_p if args.top_p is not None else 1.0 if beams else 0.95
   control = {name: getattr(args, name) for name in _CONTROL if getattr(args, name) !=
              _CONTROL[name]}
-  params = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=args.top_p,
+  params = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=top_p,
                           min_p=args.min_p, **control)
   model = _load_model(args.model)
   out = models.generate(args.prompts, model=model, params=params, seed=args.seed,
-                        max_new_tokens=args.max_new_tokens, penalize_prompt=args.penalize_prompt)
+                        max_new_tokens=args.max_new_tokens, penalize_prompt=args.penalize_prompt,
+                        beam_size=beams, num_return=args.num_return if beams else None,
+                        length_penalty=args.length_penalty)
   for i, (prompt, text) in enumerate(zip(args.prompts, out.texts)):
-    print(f"--- [{i + 1}] {prompt!r}")
-    print(prompt + text)
-  settings = ("greedy" if args.greedy else
-              f"temperature={temperature:g} top_k={args.top_k} top_p={args.top_p:g} "
-              f"min_p={args.min_p:g}") + "".join(f" {k}={v:g}" for k, v in control.items()) + (
-                  " penalize_prompt" if args.penalize_prompt else "")
-  print(f"--- {settings} seed={args.seed} | {len(args.prompts)} prompt(s), "
+    if beams is None:
+      print(f"--- [{i + 1}] {prompt!r}")
+      print(prompt + text)
+      continue
+    for r, (beam_text, score) in enumerate(zip(out.beams[i], out.scores[i])):
+      rank = f" beam {r + 1}/{args.num_return}" if args.num_return > 1 else ""
+      print(f"--- [{i + 1}] {prompt!r}{rank} score {score:.4f}")
+      print(prompt + beam_text)
+  if beams is None:
+    settings = ("greedy" if args.greedy else
+                f"temperature={temperature:g} top_k={args.top_k} top_p={top_p:g} "
+                f"min_p={args.min_p:g}")
+  else:
+    settings = f"beams={beams} num_return={args.num_return} length_penalty={args.length_penalty:g}"
+    settings += "".join(f" {name}={value:g}" for name, value, off in (
+        ("temperature", temperature, 1.0), ("top_k", args.top_k, 0), ("top_p", top_p, 1.0),
+        ("min_p", args.min_p, 0.0)) if value != off)
+  settings += "".join(f" {k}={v:g}" for k, v in control.items()) + (
+      " penalize_prompt" if args.penalize_prompt else "")
+  print(f"--- {settings}{'' if beams else f' seed={args.seed}'} | {len(args.prompts)} prompt(s), "
         f"{int(out.lengths.sum())} new tokens in {out.seconds:.2f} s "
         f"({out.tokens_per_second:.0f} tokens/s, compilation included)")
 
