@@ -316,7 +316,7 @@ def _beam_search(step_fn, state, logits, params, positions, eos_ids, pad_id, cou
       logits_processors=logits_processors)
   model_state = expand_beams(state, axes, k)
   decoding.check_step_output(jax.eval_shape(step_fn, model_state, jnp.zeros(rows, jnp.int32),
-                                            spec.positions), model_state, rows, vocab)
+                                            spec.positions), model_state, (rows, vocab))
   loop.check_processors(spec, rows, vocab, n)
   length_penalty = jnp.asarray(length_penalty, jnp.float32)
   step = dict(axes=axes, candidates=candidate_count(k, eos_ids.shape[0], vocab),
