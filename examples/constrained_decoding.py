@@ -79,7 +79,7 @@ def constrained_generate(prompts, table, *, params, max_new_tokens=24, seed=0):
   """Decodes the embedded model with the machine `table` as a logit processor."""
   model, _ = load_default()
   graphdef, weights = nnx.split(model)
-  tokens, lengths = jaxdecode.left_pad([TOK.encode(p) for p in prompts], pad_id=TOK.PAD)
+  tokens, lengths = jaxdecode.right_pad([TOK.encode(p) for p in prompts], pad_id=TOK.PAD)
   logits, state = prefill(graphdef, weights, tokens, lengths,
                           cache_length=tokens.shape[1] + max_new_tokens)
   processor = jax.tree_util.Partial(fsm_processor, jnp.asarray(table))  # table: traced data

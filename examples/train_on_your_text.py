@@ -106,7 +106,7 @@ def main(text: str | None = None, *, quick: bool = False, steps: int | None = No
   # The same logits: exactly for the float16-rounded weights the file holds, closely for float32.
   tokenizer = ByteTokenizer()
   held_out = [tokenizer.BOS] + val_stream[:cfg.seq_len - 1].tolist()  # as training saw it
-  tokens, lengths = jaxdecode.left_pad([held_out], pad_id=tokenizer.PAD, buckets=None)
+  tokens, lengths = jaxdecode.right_pad([held_out], pad_id=tokenizer.PAD, buckets=None)
   rounded = jax.tree.map(lambda w: w.astype(jnp.float16).astype(jnp.float32), weights)
   reloaded_logits = forward(*nnx.split(reloaded), tokens, lengths)  # [1, T, V]
   exact = bool(jnp.array_equal(reloaded_logits, forward(graphdef, rounded, tokens, lengths)))

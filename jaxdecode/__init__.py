@@ -10,6 +10,8 @@ from jaxdecode.beam import BeamOutput
 from jaxdecode.beam import beam_search
 from jaxdecode.decoding import DecodeOutput
 from jaxdecode.decoding import decode
+from jaxdecode.invariance import AuditReport
+from jaxdecode.invariance import audit
 from jaxdecode.loop import DecodeContext
 from jaxdecode.params import SamplingParams
 from jaxdecode.processors import process_logits
@@ -31,6 +33,8 @@ from jaxdecode.speculative import speculative_decode
 __version__ = "0.2.0"
 
 __all__ = [
+    "AuditReport",
+    "audit",
     "BeamOutput",
     "DecodeContext",
     "DecodeOutput",

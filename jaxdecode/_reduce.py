@@ -42,18 +42,26 @@ def lane_sums(x: jax.Array) -> jax.Array:
   return acc
 
 
-def tree_sum(x: jax.Array) -> jax.Array:
-  """[B, L] -> [B] with L a power of two: lanes l and l + L/2 added, and so on (fixed order)."""
-  while x.shape[1] > 1:
-    half = x.shape[1] // 2
-    x = x[:, :half] + x[:, half:]
-  return x[:, 0]
+def tree_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+  """Sum over `axis` by a pairwise tree of elementwise adds, an order fixed by that axis's length.
+
+  Level by level: x[:h] + x[h:2h] (h = n // 2), an odd leftover entry carried to the next level.
+  """
+  axis = axis % x.ndim
+  n = x.shape[axis]
+  while n > 1:
+    half = n // 2
+    s = (lax.slice_in_dim(x, 0, half, axis=axis) +
+         lax.slice_in_dim(x, half, 2 * half, axis=axis))
+    if n % 2:
+      s = jnp.concatenate([s, lax.slice_in_dim(x, 2 * half, n, axis=axis)], axis=axis)
+    x, n = s, s.shape[axis]
+  return x if keepdims else jnp.squeeze(x, axis)
 
 
 def row_sum(x: jax.Array, keepdims: bool = False) -> jax.Array:
   """The sum of each row of [B, V], in an order that depends on V alone."""
-  s = tree_sum(lane_sums(x))
-  return s[:, None] if keepdims else s
+  return tree_sum(lane_sums(x), axis=1, keepdims=keepdims)
 
 
 def row_cumsum(x: jax.Array) -> jax.Array:

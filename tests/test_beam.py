@@ -297,24 +297,24 @@ def test_a_state_whose_batch_axis_is_not_first_gives_the_same_beams(axes):
 
 
 @pytest.mark.slow
-def test_embedded_transformer_kv_cache_batch_axis_1_matches_a_full_forward_reference():
+def test_embedded_transformer_kv_cache_matches_a_full_forward_reference():
   from jaxdecode import models
   config = models.TransformerConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=2, d_ff=64,
                                     max_len=32)
   model = models.Transformer(config, rngs=nnx.Rngs(1))
   graphdef, weights = nnx.split(model)
   prompts, k, n, eos, width = [[5, 9, 2, 7], [11]], 3, 6, (3,), 16
-  tokens, lengths = jaxdecode.left_pad(prompts, pad_id=0, width=8)
+  tokens, lengths = jaxdecode.right_pad(prompts, pad_id=0, width=8)
   logits, state = models.prefill(graphdef, weights, tokens, lengths, cache_length=8 + n)
-  assert state.cache.k.shape[1] == len(prompts)  # [L, B, S, H, Dh]
+  assert state.cache.k[0].shape[0] == len(prompts)  # per layer [B, S, H, Dh]
   out = jaxdecode.beam_search(models.make_step_fn(graphdef), state, logits, positions=lengths,
                               beam_size=k, max_new_tokens=n, eos_ids=list(eos),
                               early_stopping="never", length_penalty=0.7,
                               state_axes=models.DECODE_STATE_AXES)
   for row, prompt in enumerate(prompts):
     def next_logprobs(new, prompt=prompt):  # no cache: the whole sequence, every time
-      seq, length = jaxdecode.left_pad([prompt + list(new)], pad_id=0, width=width)
-      return log_softmax64(models.forward(graphdef, weights, seq, length)[0, -1])
+      seq, length = jaxdecode.right_pad([prompt + list(new)], pad_id=0, width=width)
+      return log_softmax64(models.forward(graphdef, weights, seq, length)[0, int(length[0]) - 1])
 
     hyps, _ = reference_beam_search(next_logprobs, beam_size=k, max_new_tokens=n, eos_ids=eos,
                                     length_penalty=0.7, early_stopping="never")

@@ -2,6 +2,7 @@
 
 import io
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +36,9 @@ def greedy_by_full_forward(model, prompt, n):
   ids = TOK.encode(prompt)
   new = []
   for _ in range(n):
-    seq, length = jaxdecode.left_pad([ids + new], pad_id=TOK.PAD, width=32)  # one compile
+    seq, length = jaxdecode.right_pad([ids + new], pad_id=TOK.PAD, width=32)  # one compile
     logits = forward(graphdef, weights, seq, length)
-    token = int(np.argmax(np.asarray(logits[0, -1])))
+    token = int(np.argmax(np.asarray(logits[0, int(length[0]) - 1])))
     new.append(token)
     if token == TOK.EOS:
       break
@@ -68,8 +69,9 @@ def test_beam_generate_equals_a_full_forward_beam_search(tiny):
     ids = TOK.encode(prompt)
 
     def next_logprobs(new, ids=ids):  # independent of the cache: the whole sequence each time
-      seq, length = jaxdecode.left_pad([ids + list(new)], pad_id=TOK.PAD, width=32)
-      return reference.log_softmax64(forward(graphdef, weights, seq, length)[0, -1])
+      seq, length = jaxdecode.right_pad([ids + list(new)], pad_id=TOK.PAD, width=32)
+      return reference.log_softmax64(forward(graphdef, weights, seq, length)[0,
+                                                                             int(length[0]) - 1])
 
     hyps, _ = reference.reference_beam_search(next_logprobs, beam_size=k, max_new_tokens=n,
                                               eos_ids=(TOK.EOS,), length_penalty=0.6)
@@ -94,8 +96,8 @@ def test_greedy_generate_with_penalties_equals_a_penalized_full_forward_loop(tin
   ids = TOK.encode(prompt)
   new = []
   for _ in range(10):  # independent: full forward + the penalty formulas in numpy
-    seq, length = jaxdecode.left_pad([ids + new], pad_id=TOK.PAD, width=32)
-    x = np.asarray(forward(graphdef, weights, seq, length)[0, -1], np.float64)
+    seq, length = jaxdecode.right_pad([ids + new], pad_id=TOK.PAD, width=32)
+    x = np.asarray(forward(graphdef, weights, seq, length)[0, int(length[0]) - 1], np.float64)
     counts = np.bincount((ids if penalize_prompt else []) + new, minlength=x.size)
     seen = counts > 0
     x[seen] = np.where(x[seen] < 0, x[seen] * 1.5, x[seen] / 1.5) - 0.2 * counts[seen] - 0.5
@@ -274,6 +276,73 @@ def test_cli_beams_prints_the_best_beams_with_their_scores(tiny, capsys):
   assert code == 0 and "--- [1] 'Hi' score " in out and "beam 1/" not in out
 
 
+DRAFT_CONFIG = TransformerConfig(d_model=16, n_layers=1, n_heads=1, d_ff=32, max_len=64)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "small model"])
+def test_generate_with_a_draft_returns_the_same_bits_as_without(tiny, draft):
+  model, _ = tiny
+  drafter = draft if draft == "ngram" else Transformer(DRAFT_CONFIG, rngs=nnx.Rngs(1))
+  params = jaxdecode.SamplingParams(temperature=[0.0, 0.9, 1.3], top_k=[0, 12, 0],
+                                    top_p=[1.0, 1.0, 0.9], repetition_penalty=1.2)
+  prompts = ["abcabcabc", "Hello", "x = x + "]
+  plain = generate(prompts, model=model, params=params, seed=3, max_new_tokens=20)
+  spec = generate(prompts, model=model, params=params, seed=3, max_new_tokens=20,
+                  draft=drafter, num_draft_tokens=3)
+  assert spec.texts == plain.texts
+  np.testing.assert_array_equal(spec.tokens, plain.tokens)
+  np.testing.assert_array_equal(spec.logprobs.view(np.uint32), plain.logprobs.view(np.uint32))
+  np.testing.assert_array_equal(spec.lengths, plain.lengths)
+  assert np.all((0 <= spec.accepted) & (spec.accepted <= spec.drafted))
+  assert np.all(spec.drafted % 3 == 0) and 1 <= spec.calls <= 20
+  assert plain.calls is None and plain.acceptance_rate is None
+  assert 0.0 <= spec.acceptance_rate <= 1.0
+
+
+def test_a_model_drafting_for_itself_greedily_has_every_draft_accepted(tiny):
+  """Greedy drafts from the target itself are the target's greedy tokens: every round accepts
+  all K drafts and adds the bonus token, so N new tokens take ceil((N - 1) / (K + 1)) calls
+  after the prefill's first token."""
+  model, _ = tiny
+  params = jaxdecode.SamplingParams(temperature=0.0)
+  plain = generate(["Hello"], model=model, params=params, max_new_tokens=21)
+  assert not plain.finished[0]  # no EOS: all 21 tokens are generated
+  spec = generate(["Hello"], model=model, params=params, max_new_tokens=21, draft=model,
+                  num_draft_tokens=4)
+  np.testing.assert_array_equal(spec.tokens, plain.tokens)
+  assert spec.calls == math.ceil((21 - 1) / (4 + 1))
+  assert spec.accepted[0] == 4 * spec.calls and spec.acceptance_rate == 1.0
+
+
+def test_generate_rejects_bad_drafts(tiny):
+  model, _ = tiny
+  wide = Transformer(TransformerConfig(d_model=16, n_layers=1, n_heads=1, d_ff=32, max_len=64,
+                                       vocab_size=300), rngs=nnx.Rngs(0))
+  for kwargs, fragment in [
+      (dict(draft="suffix"), "draft must be None, 'ngram' or a Transformer; got 'suffix'"),
+      (dict(draft=3), "got int"),
+      (dict(draft=wide), "draft model's vocabulary (300 tokens)"),
+      (dict(draft="ngram", num_draft_tokens=0), "num_draft_tokens must be an integer in [1, 16]"),
+      (dict(draft="ngram", num_draft_tokens=17), "num_draft_tokens must be"),
+      (dict(draft="ngram", beam_size=2), "draft and beam_size exclude each other")]:
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+      generate(["Hi"], model=model, max_new_tokens=4, **kwargs)
+
+
+@pytest.mark.slow
+def test_cli_draft_prints_the_same_text_and_the_acceptance(tiny, capsys):
+  _, path = tiny
+  args = ["generate", "abcabc", "--model", path, "--max-new-tokens", "12", "--seed", "2"]
+  code, plain, _ = run_cli(capsys, *args)
+  assert code == 0
+  code, spec, _ = run_cli(capsys, *args, "--draft", "ngram", "--num-draft-tokens", "3")
+  assert code == 0
+  assert plain.splitlines()[:-1] == spec.splitlines()[:-1]
+  assert "draft=ngram K=3 (acceptance " in spec.splitlines()[-1]
+  code, spec, _ = run_cli(capsys, *args, "--draft", path)  # a checkpoint as the draft
+  assert code == 0 and plain.splitlines()[:-1] == spec.splitlines()[:-1]
+
+
 @pytest.mark.parametrize("argv,fragment", [
     (["generate", ""], "prompt 1 is empty"),
     (["generate", "x", "--typical-p", "0"], "typical_p must be"),
@@ -287,6 +356,10 @@ def test_cli_beams_prints_the_best_beams_with_their_scores(tiny, capsys):
     (["generate", "x", "--beams", "2", "--greedy"], "--greedy and --beams exclude each other"),
     (["generate", "x", "--beams", "2", "--num-return", "3"], "--num-return 3 is more than"),
     (["generate", "x", "--beams", "0"], "expected a positive integer, got '0'"),
+    (["generate", "x", "--num-draft-tokens", "2"], "add --draft"),
+    (["generate", "x", "--draft", "ngram", "--beams", "2"], "--draft and --beams exclude"),
+    (["generate", "x", "--draft", "/no/such.msgpack"], "does not exist"),
+    (["generate", "x", "--draft", "ngram", "--num-draft-tokens", "17"], "num_draft_tokens must"),
     (["eval", "/no/such/file"], "does not exist"),
     (["bogus"], "invalid choice: 'bogus'"),
 ])

@@ -322,8 +322,8 @@ def test_teacher_forced_logits_are_the_logits_of_the_cached_decode_steps():
                       rngs=nnx.Rngs(1))
   graphdef, weights = nnx.split(model)
   prompts, steps = ["def f(x):", "ab"], 6
-  tokens, lengths = jaxdecode.left_pad([tok.encode(p) for p in prompts], pad_id=tok.PAD,
-                                       buckets=None)
+  tokens, lengths = jaxdecode.right_pad([tok.encode(p) for p in prompts], pad_id=tok.PAD,
+                                        buckets=None)
   new = jnp.array([[104, 105, 257, 258, 258, 258], [32, 120, 121, 122, 40, 41]])  # [2, 6]
   logits = teacher_forced_logits(model, tokens, lengths, new)
   assert logits.shape == (2, steps, tok.vocab_size)
@@ -331,7 +331,7 @@ def test_teacher_forced_logits_are_the_logits_of_the_cached_decode_steps():
                                cache_length=tokens.shape[1] + steps)
   step_fn = make_step_fn(graphdef)
   for t in range(steps):
-    np.testing.assert_allclose(logits[:, t], step_logits, atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(logits[:, t], step_logits)  # the same bits
     step_logits, state = step_fn(state, new[:, t], lengths + t)
   # Row 0 ends with EOS at step 2: its padding after that changes none of its valid logits.
   other = teacher_forced_logits(model, tokens, lengths, new.at[0, 3:].set(7))

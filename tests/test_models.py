@@ -4,6 +4,7 @@ The cache tests compare decoding through the cache with one full forward pass; t
 is itself compared with a plain NumPy re-implementation of the model.
 """
 
+import dataclasses
 import doctest
 import math
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdecode.prompts import left_pad
+from jaxdecode.prompts import right_pad
 from jaxdecode.models import ByteTokenizer
 from jaxdecode.models import DecodeState
 from jaxdecode.models import KVCache
@@ -30,7 +31,7 @@ TINY = TransformerConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=64)
 ATOL = 1e-5
 
 # Most tests share these shapes so that each jitted program compiles once for the whole file.
-LENGTHS = [3, 7, 1, 5]  # the prompts, left-padded to WIDTH
+LENGTHS = [3, 7, 1, 5]  # the prompts, right-padded to WIDTH
 WIDTH = 8
 NEW = 6  # continuation tokens fed one at a time
 CACHE = WIDTH + NEW
@@ -59,41 +60,53 @@ def step_fn(split):
 @pytest.fixture(scope="module")
 def batch():
   """`(tokens int32[4, WIDTH], lengths int32[4], continuation int32[4, NEW])`."""
-  tokens, lengths = left_pad(random_prompts(LENGTHS), width=WIDTH)
+  tokens, lengths = right_pad(random_prompts(LENGTHS), width=WIDTH)
   continuation = jnp.asarray(np.random.default_rng(1).integers(0, 259, (4, NEW)), jnp.int32)
   return tokens, lengths, continuation
 
 
-def full_forward(graphdef, weights, batch):
-  """Reference logits `[4, CACHE, V]`: a prompt with its continuation appended is again a
-  left-padded batch, so one full forward pass gives the logits of every step."""
+def sequences(batch):
+  """Each prompt followed by its continuation, right-padded: `(tokens [4, T + N], lengths)`."""
   tokens, lengths, continuation = batch
-  return forward(graphdef, weights, jnp.concatenate([tokens, continuation], axis=1),
-                 lengths + NEW)
+  rows = [list(p) + continuation[r].tolist() for r, p in enumerate(random_prompts(LENGTHS))]
+  return right_pad(rows, width=WIDTH + NEW)
 
 
-@pytest.fixture(scope="module")
-def call_model(split):
-  """`Transformer.__call__` under jit (eager NNX dispatches op by op and is slow)."""
-  graphdef, weights = split
-  jitted = jax.jit(lambda w, *args: nnx.merge(graphdef, w)(*args))
-  return lambda tokens, positions, mask: jitted(weights, tokens, positions, mask)
+def full_forward(graphdef, weights, batch):
+  """Reference logits `[4, NEW + 1, V]` of every step, from the full pass over prompt +
+  continuation: row b's step n is its column lengths[b] - 1 + n."""
+  seq, seq_lengths = sequences(batch)
+  logits = forward(graphdef, weights, seq, seq_lengths)
+  at = batch[1][:, None] - 1 + jnp.arange(NEW + 1)[None, :]
+  return jnp.take_along_axis(logits, at[:, :, None], axis=1)
 
 
 # ---------------------------------------------------------------- the cache equals the full pass
 
 
-def test_cached_decoding_matches_full_forward_at_every_step(split, step_fn, batch):
+def test_cached_decoding_matches_full_forward_at_every_step_bit_for_bit(split, step_fn, batch):
   graphdef, weights = split
   tokens, lengths, continuation = batch
-  full = full_forward(graphdef, weights, batch)  # [B, T + N, V]
-
+  full = full_forward(graphdef, weights, batch)  # [B, N + 1, V]
   logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=CACHE)
-  np.testing.assert_array_equal(state.cache.start, WIDTH - np.array(LENGTHS))
-  np.testing.assert_allclose(logits, full[:, WIDTH - 1], atol=ATOL, rtol=0)
+  np.testing.assert_array_equal(logits, full[:, 0])
   for n in range(NEW):
     logits, state = step_fn(state, continuation[:, n], lengths + n)
-    np.testing.assert_allclose(logits, full[:, WIDTH + n], atol=ATOL, rtol=0, err_msg=f"step {n}")
+    np.testing.assert_array_equal(logits, full[:, n + 1], err_msg=f"step {n}")
+
+
+def test_a_k_token_step_equals_k_single_steps_bit_for_bit(split, step_fn, batch):
+  graphdef, weights = split
+  tokens, lengths, continuation = batch
+  _, state = prefill(graphdef, weights, tokens, lengths, cache_length=CACHE)
+  singles, s = [], state
+  for n in range(NEW):
+    logits, s = step_fn(s, continuation[:, n], lengths + n)
+    singles.append(logits)
+  many, _ = step_fn(state, continuation[:, :4], lengths)  # 4 tokens in one call
+  np.testing.assert_array_equal(many, jnp.stack(singles[:4], axis=1))
+  rest, _ = step_fn(_, continuation[:, 4:], lengths + 4)  # ... then the next 2 in one call
+  np.testing.assert_array_equal(rest, jnp.stack(singles[4:], axis=1))
 
 
 def test_step_fn_inside_lax_scan_matches_full_forward(split, step_fn, batch):
@@ -108,66 +121,54 @@ def test_step_fn_inside_lax_scan_matches_full_forward(split, step_fn, batch):
     return (state, position + 1), logits
 
   _, logits = jax.jit(lambda s: jax.lax.scan(body, (s, lengths), continuation.T))(state)
-  np.testing.assert_allclose(jnp.swapaxes(logits, 0, 1),
-                             full_forward(graphdef, weights, batch)[:, WIDTH:], atol=ATOL, rtol=0)
+  np.testing.assert_array_equal(jnp.swapaxes(logits, 0, 1),
+                                full_forward(graphdef, weights, batch)[:, 1:])
 
 
-def test_row_alone_matches_row_in_padded_batch(split, step_fn, batch):
+def test_a_row_is_rolled_back_by_its_position_alone(split, step_fn, batch):
   graphdef, weights = split
   tokens, lengths, continuation = batch
-  row = 3  # 5 tokens after 3 columns of padding in the batch; no padding alone
-  alone_tokens, alone_lengths = left_pad([random_prompts(LENGTHS)[row]], buckets=None)
-
-  batch_logits, batch_state = prefill(graphdef, weights, tokens, lengths, cache_length=CACHE)
-  alone_logits, alone_state = prefill(graphdef, weights, alone_tokens, alone_lengths,
-                                      cache_length=5 + NEW)
-  np.testing.assert_allclose(batch_logits[row], alone_logits[0], atol=ATOL, rtol=0)
-  for n in range(NEW):
-    batch_logits, batch_state = step_fn(batch_state, continuation[:, n], lengths + n)
-    alone_logits, alone_state = step_fn(alone_state, continuation[row:row + 1, n],
-                                        alone_lengths + n)
-    np.testing.assert_allclose(batch_logits[row], alone_logits[0], atol=ATOL, rtol=0)
+  _, state = prefill(graphdef, weights, tokens, lengths, cache_length=CACHE)
+  reference, _ = step_fn(state, continuation[:, :3], lengths)
+  # Write junk at the next positions, then step again from the old positions: same logits.
+  junk = jnp.full((4, 3), 7, jnp.int32)
+  _, dirty = step_fn(state, junk, lengths)
+  again, _ = step_fn(dirty, continuation[:, :3], lengths)
+  np.testing.assert_array_equal(again, reference)
 
 
-def test_prefill_returns_weights_and_a_cache_of_the_requested_length(split, batch):
+def test_prefill_returns_weights_and_a_cache_with_room_for_the_requested_length(split, batch):
   graphdef, weights = split
   tokens, lengths, _ = batch
   _, state = prefill(graphdef, weights, tokens, lengths, cache_length=CACHE)
   assert isinstance(state, DecodeState) and isinstance(state.cache, KVCache)
-  assert state.cache.k.shape == (2, 4, CACHE, 2, 16) == state.cache.v.shape
-  assert state.cache.k.dtype == jnp.float32 and state.cache.start.dtype == jnp.int32
+  assert len(state.cache.k) == 2 == len(state.cache.v)
+  assert state.cache.k[0].shape == (4, 64, 2, 16)  # rounded up to the 64-slot attention chunk
   assert jax.tree.structure(state.weights) == jax.tree.structure(weights)
-  np.testing.assert_array_equal(state.cache.k[:, :, WIDTH:], 0)  # slots past the prompt: empty
+  np.testing.assert_array_equal(state.cache.k[0][:, WIDTH:], 0)  # slots past the prompt: empty
 
 
-def test_cache_overflow_gives_nan_logits_and_leaves_the_cache_untouched(split, step_fn, batch):
+def test_positions_past_the_cache_or_max_len_give_nan_and_write_nothing(split, step_fn, batch):
   graphdef, weights = split
   tokens, lengths, _ = batch
-  _, state = prefill(graphdef, weights, tokens, lengths, cache_length=CACHE)
-  # start = [5, 1, 7, 3], so the slots are [13, 14, 9, 14]: rows 1 and 3 run past slot 13.
-  logits, new_state = step_fn(state, jnp.array([5, 5, 5, 5], jnp.int32),
-                              jnp.array([8, 13, 2, 11], jnp.int32))
+  small = Transformer(dataclasses.replace(TINY, max_len=16), rngs=nnx.Rngs(0))
+  graphdef16, weights16 = nnx.split(small)
+  _, state = prefill(graphdef16, weights16, tokens, lengths, cache_length=CACHE)
+  logits, new_state = make_step_fn(graphdef16)(state, jnp.array([5, 5, 5, 5], jnp.int32),
+                                               jnp.array([8, 16, 2, 70], jnp.int32))
+  # Position 16 is max_len (RoPE untrained there): NaN; 70 is past the 64 slots: NaN, unwritten.
   assert np.isfinite(logits[0::2]).all() and np.isnan(logits[1::2]).all()
-  written = np.zeros((4, CACHE), bool)  # [B, S]
-  written[0, 13] = written[2, 9] = True
-  for field in ("k", "v"):
-    old, new = np.asarray(getattr(state.cache, field)), np.asarray(getattr(new_state.cache, field))
-    assert (new[:, written] != old[:, written]).any(axis=(0, 2, 3)).all()
-    np.testing.assert_array_equal(new[:, ~written], old[:, ~written])  # nothing else moved
+  for old, new in zip(state.cache.k, new_state.cache.k):
+    changed = np.any(np.asarray(new) != np.asarray(old), axis=(2, 3))  # [B, S]
+    expected = np.zeros_like(changed)
+    expected[0, 8] = expected[1, 16] = expected[2, 2] = True
+    np.testing.assert_array_equal(changed, expected)
 
 
-def test_init_cache_is_empty():
-  cache = init_cache(TINY, batch_size=3, length=5)
-  assert cache.k.shape == (2, 3, 5, 2, 16) and cache.v.shape == cache.k.shape
-  np.testing.assert_array_equal(cache.k, 0)
-  np.testing.assert_array_equal(cache.start, [0, 0, 0])
-
-
-def test_write_slots_drops_writes_past_the_end_instead_of_clamping():
-  buffer = jnp.zeros((2, 4, 1, 1))
-  new = jnp.arange(1.0, 4.0).reshape(1, 3, 1, 1) * jnp.array([1.0, 10.0]).reshape(2, 1, 1, 1)
-  out = transformer_module.write_slots(buffer, new, jnp.array([0, 2], jnp.int32))
-  np.testing.assert_array_equal(out[:, :, 0, 0], [[1, 2, 3, 0], [0, 0, 10, 20]])
+def test_init_cache_is_empty_and_rounded_up_to_the_attention_chunk():
+  cache = init_cache(TINY, batch_size=3, length=65)
+  assert [k.shape for k in cache.k] == [(3, 128, 2, 16)] * 2
+  np.testing.assert_array_equal(cache.k[0], 0)
 
 
 # ------------------------------------------------------------------------- the full forward pass
@@ -215,43 +216,47 @@ def test_forward_matches_numpy_reference(model, split, batch):
   tokens, lengths, _ = batch
   logits = forward(*split, tokens, lengths)
   for row, prompt in enumerate(random_prompts(LENGTHS)):
-    np.testing.assert_allclose(logits[row, WIDTH - len(prompt):], numpy_reference(model, prompt),
+    np.testing.assert_allclose(logits[row, :len(prompt)], numpy_reference(model, prompt),
                                atol=1e-4, rtol=0, err_msg=f"row {row}")
+
+
+def test_training_pass_matches_the_inference_pass(model, split, batch):
+  """`Transformer.__call__` (plain, no cache: training) against `forward` (the cache path)."""
+  seq, seq_lengths = sequences(batch)
+  train = jax.jit(lambda w, t: nnx.merge(split[0], w)(t))(split[1], seq)
+  np.testing.assert_allclose(train, forward(*split, seq, seq_lengths), atol=ATOL, rtol=0)
 
 
 def test_forward_is_causal(split, batch):
   tokens, lengths, _ = batch
-  changed = tokens.at[1, 5].set((tokens[1, 5] + 1) % 256)  # row 1: one pad, then 7 tokens
+  changed = tokens.at[1, 4].set((tokens[1, 4] + 1) % 256)  # row 1: 7 tokens
   before, after = forward(*split, tokens, lengths), forward(*split, changed, lengths)
-  np.testing.assert_array_equal(before[1, 1:5], after[1, 1:5])
-  assert (np.abs(before[1, 5:] - after[1, 5:]).max(axis=-1) > 1e-3).all()
+  np.testing.assert_array_equal(before[1, :4], after[1, :4])
+  assert (np.abs(before[1, 4:7] - after[1, 4:7]).max(axis=-1) > 1e-3).all()
 
 
 def test_padding_values_do_not_change_real_logits(split, batch):
   tokens, lengths, _ = batch
-  repadded = tokens.at[0, :5].set(jnp.array([9, 99, 199, 256, 258], jnp.int32))  # row 0: 5 pads
+  repadded = tokens.at[0, 3:].set(jnp.array([9, 99, 199, 256, 258], jnp.int32))  # row 0: 5 pads
   before, after = forward(*split, tokens, lengths), forward(*split, repadded, lengths)
-  np.testing.assert_allclose(before[0, 5:], after[0, 5:], atol=ATOL, rtol=0)
-  np.testing.assert_allclose(before[1:], after[1:], atol=ATOL, rtol=0)
+  np.testing.assert_array_equal(before[0, :3], after[0, :3])
+  np.testing.assert_array_equal(before[1:], after[1:])
 
 
-def test_rope_makes_attention_depend_only_on_relative_positions(call_model, batch):
-  tokens = batch[0]
-  positions = jnp.broadcast_to(jnp.arange(WIDTH, dtype=jnp.int32), (4, WIDTH))
-  mask = jnp.ones((4, WIDTH), bool)
-  shifted = call_model(tokens, positions + 11, mask)
-  np.testing.assert_allclose(call_model(tokens, positions, mask), shifted, atol=1e-4, rtol=0)
-  # ...but positions do matter: reversing their order changes the logits.
-  assert not np.allclose(call_model(tokens, positions[:, ::-1], mask), shifted, atol=1e-3)
+def test_rope_makes_attention_scores_depend_only_on_relative_positions():
+  from jaxdecode.models import numerics
+  rng = np.random.default_rng(0)
+  q, k = (jnp.asarray(rng.normal(size=(1, 6, 2, 16)), jnp.float32) for _ in range(2))
+  positions = jnp.arange(6, dtype=jnp.int32)[None, :]
 
+  def scores(shift):
+    rq = numerics.rope(q, positions + shift, 10000.0)
+    rk = numerics.rope(k, positions + shift, 10000.0)
+    return jnp.einsum("bthd,bshd->bhts", rq, rk)
 
-def test_full_forward_hides_masked_keys_from_every_query(call_model, batch):
-  tokens = batch[0]
-  positions = jnp.broadcast_to(jnp.arange(WIDTH, dtype=jnp.int32), (4, WIDTH))
-  mask = jnp.ones((4, WIDTH), bool).at[:, 2].set(False)
-  changed = tokens.at[:, 2].set((tokens[:, 2] + 1) % 256)
-  before, after = call_model(tokens, positions, mask), call_model(changed, positions, mask)
-  np.testing.assert_allclose(before[:, 3:], after[:, 3:], atol=ATOL, rtol=0)
+  np.testing.assert_allclose(scores(0), scores(11), atol=1e-4, rtol=0)
+  # ...but positions do matter: the scores are not those of unrotated vectors.
+  assert not np.allclose(scores(0), jnp.einsum("bthd,bshd->bhts", q, k), atol=1e-3)
 
 
 # -------------------------------------------------------------------------- tracing and jitting
@@ -276,14 +281,13 @@ def test_step_fn_traces_once_for_new_tokens_positions_and_weights(split, step_fn
   _, new_state = prefill(graphdef, new_weights, tokens, lengths, cache_length=CACHE)
   logits, _ = jitted(new_state, continuation[:, 0], lengths)
   assert len(traces) == 1
-  full = full_forward(graphdef, new_weights, batch)
-  np.testing.assert_allclose(logits, full[:, WIDTH], atol=ATOL, rtol=0)
+  np.testing.assert_array_equal(logits, full_forward(graphdef, new_weights, batch)[:, 1])
 
 
 def test_step_fn_rejects_mismatched_shapes(split, step_fn, batch):
   tokens, lengths, _ = batch
   _, state = prefill(*split, tokens, lengths, cache_length=CACHE)
-  with pytest.raises(ValueError, match=r"shape \(4,\).*\(3,\) / \(4,\)"):
+  with pytest.raises(ValueError, match=r"shape \(4,\) or \(4, K\).*\(3,\) / \(4,\)"):
     step_fn(state, jnp.array([1, 2, 3], jnp.int32), lengths)
 
 
@@ -291,7 +295,7 @@ def test_step_fn_rejects_mismatched_shapes(split, step_fn, batch):
 
 
 def test_prefill_rejects_a_cache_shorter_than_the_prompt_or_longer_than_max_len(split):
-  tokens, lengths = left_pad(random_prompts([5]), buckets=None)
+  tokens, lengths = right_pad(random_prompts([5]), buckets=None)
   with pytest.raises(ValueError, match=r"cache_length.*5 <= 4 <= 64"):
     prefill(*split, tokens, lengths, cache_length=4)
   with pytest.raises(ValueError, match=r"cache_length.*5 <= 65 <= 64"):
@@ -299,7 +303,7 @@ def test_prefill_rejects_a_cache_shorter_than_the_prompt_or_longer_than_max_len(
 
 
 def test_prefill_and_forward_reject_bad_lengths_and_token_ids(split):
-  tokens, lengths = left_pad(random_prompts([5, 2]), buckets=None)
+  tokens, lengths = right_pad(random_prompts([5, 2]), buckets=None)
   with pytest.raises(ValueError, match=r"lengths must be in \[1, T = 5\]; got \[5, 0\]"):
     prefill(*split, tokens, jnp.array([5, 0], jnp.int32), cache_length=8)
   with pytest.raises(ValueError, match=r"lengths must have shape \(2,\)"):

@@ -5,10 +5,13 @@ This layer builds on the core (`jaxdecode`) and never the other way round.
 """
 
 from jaxdecode.models.checkpoint import default_metadata
+from jaxdecode.models.checkpoint import draft_metadata
 from jaxdecode.models.checkpoint import load_checkpoint
 from jaxdecode.models.checkpoint import load_default
+from jaxdecode.models.checkpoint import load_draft
 from jaxdecode.models.checkpoint import save_checkpoint
 from jaxdecode.models.generate import Generation
+from jaxdecode.models.generate import batch_prefill
 from jaxdecode.models.generate import generate
 from jaxdecode.models.metrics import teacher_forced_logits
 from jaxdecode.models.tokenizer import ByteTokenizer
@@ -24,6 +27,7 @@ from jaxdecode.models.transformer import prefill
 
 __all__ = [
     "ByteTokenizer",
+    "batch_prefill",
     "DECODE_STATE_AXES",
     "DecodeState",
     "Generation",
@@ -31,11 +35,13 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "default_metadata",
+    "draft_metadata",
     "forward",
     "generate",
     "init_cache",
     "load_checkpoint",
     "load_default",
+    "load_draft",
     "make_step_fn",
     "prefill",
     "save_checkpoint",

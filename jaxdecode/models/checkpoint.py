@@ -24,11 +24,13 @@ import numpy as np
 from flax import nnx
 from flax import serialization
 
+from jaxdecode import _checks
 from jaxdecode import _files
 from jaxdecode.models.tokenizer import ByteTokenizer
 from jaxdecode.models.transformer import Transformer, TransformerConfig
 
 DEFAULT_PATH = os.path.join(os.path.dirname(__file__), "default.msgpack")
+DRAFT_PATH = os.path.join(os.path.dirname(__file__), "draft.msgpack")
 FORMAT = "jaxdecode-checkpoint/1"
 
 
@@ -71,7 +73,7 @@ def serialize(config: TransformerConfig, weights, *, metadata=None) -> bytes:
     meta = json.dumps(metadata or {})
   except (TypeError, ValueError) as e:
     raise ValueError(f"metadata must be JSON-serializable ({e})") from None
-  blob = {"format": FORMAT, "config": json.dumps(dataclasses.asdict(config)), "metadata": meta,
+  blob = {"format": FORMAT, "config": json.dumps(config.sizes()), "metadata": meta,
           "weights": _keys_to_str(jax.tree.map(lambda a: a.astype(np.float16), pure))}
   return serialization.msgpack_serialize(blob)
 
@@ -106,10 +108,11 @@ def _read(path: str) -> dict:
   return blob
 
 
-def load_checkpoint(path: str):
+def load_checkpoint(path: str, *, batch_invariant: bool = True):
   """`(model, metadata)` from a file written by `save_checkpoint`; weights back in float32.
 
-  Files of jaxdecode 0.1, which had no format tag, load too (same layout).
+  Files of jaxdecode 0.1, which had no format tag, load too (same layout). `batch_invariant`
+  picks the inference numerics (`TransformerConfig.batch_invariant`); the weights serve both.
 
   Raises:
     ValueError: naming the file and the problem, if it is missing, a directory, not a
@@ -121,8 +124,11 @@ def load_checkpoint(path: str):
   fmt = blob.get("format", FORMAT)
   if fmt != FORMAT:
     raise ValueError(f"{path!r} has checkpoint format {fmt!r}; this jaxdecode reads {FORMAT!r}")
+  _checks.boolean("batch_invariant", batch_invariant)
   try:
-    config = TransformerConfig(**json.loads(blob["config"]))
+    sizes = json.loads(blob["config"])
+    sizes.pop("batch_invariant", None)
+    config = TransformerConfig(**sizes, batch_invariant=batch_invariant)
     metadata = json.loads(blob.get("metadata", "{}"))
   except (TypeError, ValueError) as e:
     raise ValueError(f"{path!r} has an invalid config or metadata ({e})") from None
@@ -156,19 +162,45 @@ def load_checkpoint(path: str):
   return nnx.merge(graphdef, state), metadata
 
 
-@functools.lru_cache(maxsize=1)
-def _load_default():
-  return load_checkpoint(DEFAULT_PATH)
+@functools.lru_cache(maxsize=4)
+def _load_embedded(path: str, batch_invariant: bool):
+  return load_checkpoint(path, batch_invariant=batch_invariant)
 
 
-def load_default():
+def _load_default(batch_invariant: bool):
+  return _load_embedded(DEFAULT_PATH, batch_invariant)
+
+
+def load_default(batch_invariant: bool = True):
   """`(model, tokenizer)`: the embedded model and its byte tokenizer.
+
+  Args:
+    batch_invariant: the inference numerics: a row's logits the same bits alone or in any
+      batch (True), or XLA's plain kernels (False, for comparison). The same weights.
 
   The model's training figures (command, validation loss) are in `default_metadata()`.
   """
-  return _load_default()[0], ByteTokenizer()
+  return _load_default(_checks.boolean("batch_invariant", batch_invariant))[0], ByteTokenizer()
 
 
 def default_metadata() -> dict:
   """How the embedded model was trained: settings, corpus, losses, duration."""
-  return _load_default()[1]
+  return _load_default(True)[1]
+
+
+def load_draft(batch_invariant: bool = True):
+  """The embedded draft model: a small transformer with the default model's byte tokenizer,
+  trained the same way, for speculative decoding (`generate(..., draft=load_draft())`).
+
+  Args:
+    batch_invariant: its inference numerics, as in `load_default` (a draft's numerics never
+      change the output of speculative decoding, only how many drafts are accepted).
+
+  Its training figures are in `draft_metadata()`.
+  """
+  return _load_embedded(DRAFT_PATH, _checks.boolean("batch_invariant", batch_invariant))[0]
+
+
+def draft_metadata() -> dict:
+  """How the embedded draft model was trained."""
+  return _load_embedded(DRAFT_PATH, True)[1]

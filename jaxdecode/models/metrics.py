@@ -14,16 +14,16 @@ from jaxdecode.models.transformer import forward
 
 
 def teacher_forced_logits(model, prompt_tokens, prompt_lengths, new_tokens) -> jax.Array:
-  """The model's raw logits at every generated step, by one full forward pass (teacher forcing).
+  """The model's raw logits at every generated step, by one full pass (teacher forcing).
 
-  The sequence `prompt + new_tokens` of every row goes through `forward`;
-  `logits[b, t]` is the distribution the model gave the token `new_tokens[b, t]` (the column
-  before it). Tokens after a row's EOS (padding) only follow the row's real tokens, so by
-  causality they change none of its valid logits.
+  Each row's sequence `prompt + new_tokens` goes through `forward` (the inference pass, so with
+  the default numerics these are bitwise the logits the decode loop saw); `logits[b, t]` is the
+  distribution the model gave `new_tokens[b, t]`. Tokens after a row's EOS (padding) only follow
+  the row's real tokens, so by causality they change none of its valid logits.
 
   Args:
     model: a `jaxdecode.models.Transformer`.
-    prompt_tokens: int32 `[B, T]` left-padded prompts (`jaxdecode.left_pad`).
+    prompt_tokens: int32 `[B, T]` right-padded prompts (`jaxdecode.right_pad`).
     prompt_lengths: int32 `[B]` real prompt tokens per row (1..T).
     new_tokens: int32 `[B, N]` generated tokens (e.g. `Generation.tokens`); `T + N` must be at
       most the model's `max_len`.
@@ -37,7 +37,14 @@ def teacher_forced_logits(model, prompt_tokens, prompt_lengths, new_tokens) -> j
                      f"{jnp.shape(new_tokens)}")
   steps = jnp.shape(new_tokens)[1]
   graphdef, weights = nnx.split(model)
-  sequence = jnp.concatenate([jnp.asarray(prompt_tokens, jnp.int32),
-                              jnp.asarray(new_tokens, jnp.int32)], axis=1)  # [B, T + N]
-  logits = forward(graphdef, weights, sequence, jnp.asarray(prompt_lengths, jnp.int32) + steps)
-  return logits[:, width - 1:width - 1 + steps]  # [B, N, V]
+  lengths = jnp.asarray(prompt_lengths, jnp.int32)
+  new_tokens = jnp.asarray(new_tokens, jnp.int32)
+  # Row b: its prompt's real tokens, then its new tokens (right-padded to T + N).
+  column = jnp.arange(width + steps, dtype=jnp.int32)[None, :]  # [1, T + N]
+  prompt_part = jnp.pad(jnp.asarray(prompt_tokens, jnp.int32), ((0, 0), (0, steps)))
+  new_part = jnp.take_along_axis(new_tokens, jnp.clip(column - lengths[:, None], 0, steps - 1),
+                                 axis=1)
+  sequence = jnp.where(column < lengths[:, None], prompt_part, new_part)
+  logits = forward(graphdef, weights, sequence, lengths + steps)  # [B, T + N, V]
+  at = lengths[:, None] - 1 + jnp.arange(steps, dtype=jnp.int32)[None, :]  # [B, N]
+  return jnp.take_along_axis(logits, at[:, :, None], axis=1)

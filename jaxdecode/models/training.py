@@ -97,9 +97,7 @@ def random_batches(stream: np.ndarray, batch_size: int, seq_len: int,
 
 def loss_and_count(model: Transformer, inputs: jax.Array, targets: jax.Array):
   """(summed cross-entropy in nats, number of target tokens); targets < 0 are ignored."""
-  batch, length = inputs.shape
-  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-  logits = model(inputs, positions, jnp.ones((batch, length), bool))  # [B, T, V]
+  logits = model(inputs)  # [B, T, V]
   valid = targets >= 0
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   picked = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]

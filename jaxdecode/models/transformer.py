@@ -4,31 +4,38 @@ The model: token embedding, `n_layers` pre-norm blocks (RMSNorm -> causal multi-
 with RoPE -> residual; RMSNorm -> GELU MLP -> residual), a final RMSNorm and an output projection
 tied to the embedding. Everything is float32.
 
-One code path, `Transformer.run_cached`, serves every use: a pass writes the keys and values of
-its tokens into a KV cache and attends over the cache.
+One code path, `Transformer.run`, serves prefill (the whole prompt, or any chunk of it), the
+one-token decode step and the K-token step of speculative decoding: it writes the keys and values
+of K tokens per row into the KV cache and attends over the cache. With `batch_invariant=True`
+(the default) every matmul, norm and attention sum goes through `jaxdecode.models.numerics`, so a
+row's logits at a position depend on that row's tokens alone, bit for bit: not on the batch
+size, the row's slot, the other rows, the padding, the cache length, how many positions one call
+computes, or how many devices a data-parallel batch is split over. `batch_invariant=False` is the
+plain XLA formulation (for the cost comparison and as a negative control); the same weights
+serve both (held-out losses agree to ~1e-9).
 
-- Full forward (`Transformer.__call__`, `forward`): a fresh cache exactly as long as the input.
-- `prefill`: a left-padded prompt `[B, T]` written into slots 0..T-1 of a longer cache.
-- The step function of `make_step_fn`: one token per row, written after that row's tokens.
+Cache layout: slot p of a row holds position p (prompts are right-padded, `jaxdecode.right_pad`).
+A call with tokens [B, K] at positions[b] writes slots positions[b] .. positions[b] + K - 1 and
+nothing else, and reads no slot beyond a query's own position, so a row is rolled back by its
+position alone (speculative decoding) and padding never shifts a row's keys. One array per layer:
+slicing a layer out of a stacked array made XLA copy it every step.
 
-Cache layout. Prompts are left-padded (`jaxdecode.decoding.left_pad`), so row b's prompt fills
-columns `T - lengths[b] .. T - 1` and its valid cache slots start at `start[b] = T - lengths[b]`.
-The token at logical position p of row b (p = 0 at its first prompt token) lives in slot
-`start[b] + p`, so every row's first new token (position `lengths[b]`) goes to slot T. A row
-attends only to its own valid slots, and positions (RoPE) are per row, so a row gives the same
-logits whatever the padding around it.
+The context: RoPE is used only within the trained range; a position at or past `max_len` (or past
+the cache) gives NaN logits under jit, and `generate` refuses such a request before it starts.
 
-Weights are data. `graphdef, weights = nnx.split(model)`: the structure (`graphdef`) is static and
-the weights travel as a pytree argument of the jitted functions and inside `DecodeState`, so new
-weights (after training) never recompile and are never baked into a program as constants.
+Weights are data: `graphdef, weights = nnx.split(model)`; the structure is static and the weights
+travel as a pytree argument of the jitted functions (and inside `DecodeState`), so new weights
+never recompile and are never baked into a program as constants.
+
+Training uses `Transformer.__call__`: the whole sequence at once with plain, differentiable ops.
 
 Example:
   >>> import jax.numpy as jnp
   >>> from flax import nnx
-  >>> from jaxdecode.prompts import left_pad
+  >>> from jaxdecode.prompts import right_pad
   >>> config = TransformerConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=64)
   >>> graphdef, weights = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
-  >>> tokens, lengths = left_pad([[256, 104, 105], [256, 33]], buckets=None)
+  >>> tokens, lengths = right_pad([[256, 104, 105], [256, 33]], buckets=None)
   >>> logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=8)
   >>> step_fn = make_step_fn(graphdef)
   >>> logits, state = step_fn(state, jnp.array([10, 10], jnp.int32), lengths)
@@ -40,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import numbers
 
 import flax.struct
@@ -50,8 +56,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdecode import _checks
-from jaxdecode.prompts import prompt_mask
-from jaxdecode.prompts import prompt_positions
+from jaxdecode.models import numerics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +69,11 @@ class TransformerConfig:
     n_layers: number of transformer blocks.
     n_heads: attention heads; `d_model / n_heads` must be an even integer (RoPE rotates pairs).
     d_ff: hidden width of the MLP.
-    max_len: the longest sequence (prompt + generated tokens) the model is used for; caches and
-      full-forward inputs may not be longer.
+    max_len: the longest sequence (prompt + generated tokens) the model was trained for; RoPE
+      positions past it are refused.
     rope_base: base of the RoPE frequencies (> 1).
+    batch_invariant: the inference numerics: invariant (True) or plain XLA (False). A runtime
+      choice, not stored in checkpoints: the same weights serve both.
   """
   vocab_size: int = 259
   d_model: int = 256
@@ -75,12 +82,14 @@ class TransformerConfig:
   d_ff: int = 1024
   max_len: int = 512
   rope_base: float = 10000.0
+  batch_invariant: bool = True
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len"):
       _checks.integer(name, getattr(self, name), low=1)
     if not (isinstance(self.rope_base, numbers.Real) and self.rope_base > 1):  # NaN fails too
       raise ValueError(f"rope_base must be a number > 1; got {self.rope_base!r}")
+    _checks.boolean("batch_invariant", self.batch_invariant)
     if self.d_model % self.n_heads:
       raise ValueError(f"d_model must be divisible by n_heads; got: {self.d_model} / "
                        f"{self.n_heads}")
@@ -92,19 +101,23 @@ class TransformerConfig:
   def head_dim(self) -> int:
     return self.d_model // self.n_heads
 
+  def sizes(self) -> dict:
+    """The fields that define the weights (what a checkpoint stores)."""
+    out = dataclasses.asdict(self)
+    del out["batch_invariant"]
+    return out
+
 
 @flax.struct.dataclass
 class KVCache:
-  """Keys and values of every layer, one row per sequence.
+  """Keys and values of every layer; slot p of a row holds position p.
 
   Attributes:
-    k: float32[L, B, S, H, Dh] keys (after RoPE).
-    v: float32[L, B, S, H, Dh] values.
-    start: int32[B], the first valid slot of each row (`T - lengths[b]` after `prefill`).
+    k: a tuple of L float32[B, S, H, Dh] arrays, the keys (after RoPE).
+    v: a tuple of L float32[B, S, H, Dh] arrays, the values.
   """
-  k: jax.Array
-  v: jax.Array
-  start: jax.Array
+  k: tuple
+  v: tuple
 
 
 @flax.struct.dataclass
@@ -120,125 +133,39 @@ class DecodeState:
   cache: KVCache
 
 
-# Each DecodeState leaf's batch axis, for `jaxdecode.beam_search(..., state_axes=...)`: the weights
-# are shared, the caches' k and v are [L, B, S, H, Dh], their start is [B].
-DECODE_STATE_AXES = DecodeState(weights=None, cache=KVCache(k=1, v=1, start=0))
+# Each DecodeState leaf's batch axis, for `jaxdecode.beam_search(..., state_axes=...)`: the
+# weights are shared, every cache array is [B, S, H, Dh].
+DECODE_STATE_AXES = DecodeState(weights=None, cache=KVCache(k=0, v=0))
+
+
+def cache_slots(length: int) -> int:
+  """The slots a cache of `length` positions holds: rounded up to a multiple of the attention
+  chunk (64)."""
+  return -(-length // numerics.CHUNK) * numerics.CHUNK
 
 
 def init_cache(config: TransformerConfig, batch_size: int, length: int) -> KVCache:
-  """An all-zero cache of `length` slots per row, every row starting at slot 0.
-
-  Args:
-    config: the model's config (sets L, H and Dh).
-    batch_size: B.
-    length: S, the number of slots per row.
+  """An all-zero cache with room for `length` positions per row.
 
   Returns:
-    A `KVCache` with `k` and `v` of shape `[L, B, S, H, Dh]` and `start` of shape `[B]`.
+    A `KVCache` of `n_layers` arrays `[B, S, H, Dh]`, S = `cache_slots(length)`.
   """
-  shape = (config.n_layers, batch_size, length, config.n_heads, config.head_dim)
-  return KVCache(k=jnp.zeros(shape, jnp.float32), v=jnp.zeros(shape, jnp.float32),
-                 start=jnp.zeros((batch_size,), jnp.int32))
-
-
-def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
-  """Rotary position embedding: rotates the pair (x[i], x[i + Dh/2]) by `position * base^(-2i/Dh)`.
-
-  Args:
-    x: float32[B, T, H, Dh] queries or keys.
-    positions: int32[B, T] logical positions.
-    base: the frequency base.
-
-  Returns:
-    float32[B, T, H, Dh].
-  """
-  half = x.shape[-1] // 2
-  freq = base ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / x.shape[-1])  # [Dh/2]
-  angle = positions.astype(jnp.float32)[:, :, None, None] * freq[None, None, None, :]
-  # angle: [B, T, 1, Dh/2]
-  cos, sin = jnp.cos(angle), jnp.sin(angle)
-  x1, x2 = x[..., :half], x[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def write_slots(buffer: jax.Array, new: jax.Array, first_slot: jax.Array) -> jax.Array:
-  """Writes `new[b, t]` into slot `first_slot[b] + t` of row b; writes past the end are dropped.
-
-  A select rather than `lax.dynamic_update_slice`, because dynamic_update_slice clamps a start
-  index that runs past the end and would overwrite the last valid slots.
-
-  Args:
-    buffer: float32[B, S, H, Dh], one layer's keys or values.
-    new: float32[B, T, H, Dh].
-    first_slot: int32[B].
-
-  Returns:
-    float32[B, S, H, Dh]; slots that receive nothing are unchanged.
-  """
-  slots, width = buffer.shape[1], new.shape[1]
-  source = jnp.arange(slots, dtype=jnp.int32)[None, :] - first_slot[:, None]  # [B, S]: t per slot
-  written = (source >= 0) & (source < width)  # [B, S]
-  index = jnp.clip(source, 0, width - 1)[:, :, None, None]  # [B, S, 1, 1]
-  gathered = jnp.take_along_axis(new, index, axis=1)  # [B, S, H, Dh]
-  return jnp.where(written[:, :, None, None], gathered, buffer)
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
-  """Multi-head attention of queries over keys/values, restricted to `allowed` pairs.
-
-  Masked scores take float32's minimum rather than -inf: a query with no allowed key (a padding
-  column) then averages the values uniformly, which is finite and harmless, instead of NaN.
-
-  Args:
-    q: float32[B, T, H, Dh].
-    k: float32[B, S, H, Dh].
-    v: float32[B, S, H, Dh].
-    allowed: bool[B, T, S], whether query t may attend to slot s.
-
-  Returns:
-    float32[B, T, H, Dh].
-  """
-  scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])  # [B, H, T, S]
-  scores = jnp.where(allowed[:, None, :, :], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1)  # [B, H, T, S]
-  return jnp.einsum("bhts,bshd->bthd", probs, v)
+  shape = (batch_size, cache_slots(length), config.n_heads, config.head_dim)
+  return KVCache(k=tuple(jnp.zeros(shape, jnp.float32) for _ in range(config.n_layers)),
+                 v=tuple(jnp.zeros(shape, jnp.float32) for _ in range(config.n_layers)))
 
 
 class Attention(nnx.Module):
-  """Causal multi-head self-attention with RoPE over a KV cache."""
+  """Causal multi-head self-attention with RoPE (its weights; `Transformer` runs it)."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
     self.config = config
     self.qkv = nnx.Linear(config.d_model, 3 * config.d_model, use_bias=False, rngs=rngs)
     self.out = nnx.Linear(config.d_model, config.d_model, use_bias=False, rngs=rngs)
 
-  def __call__(self, x, positions, k_cache, v_cache, first_slot, allowed):
-    """Writes this pass's keys/values into the cache, then attends over the whole cache.
-
-    Args:
-      x: float32[B, T, D] (normalized) inputs.
-      positions: int32[B, T] logical positions (for RoPE).
-      k_cache: float32[B, S, H, Dh] this layer's keys.
-      v_cache: float32[B, S, H, Dh] this layer's values.
-      first_slot: int32[B], the slot of x[b, 0].
-      allowed: bool[B, T, S].
-
-    Returns:
-      `(out float32[B, T, D], k_cache, v_cache)`.
-    """
-    batch, width, _ = x.shape
-    heads, head_dim = self.config.n_heads, self.config.head_dim
-    qkv = self.qkv(x).reshape(batch, width, 3, heads, head_dim)  # [B, T, 3, H, Dh]
-    q = rope(qkv[:, :, 0], positions, self.config.rope_base)  # [B, T, H, Dh]
-    k = rope(qkv[:, :, 1], positions, self.config.rope_base)  # [B, T, H, Dh]
-    k_cache = write_slots(k_cache, k, first_slot)
-    v_cache = write_slots(v_cache, qkv[:, :, 2], first_slot)
-    out = attend(q, k_cache, v_cache, allowed)  # [B, T, H, Dh]
-    return self.out(out.reshape(batch, width, heads * head_dim)), k_cache, v_cache
-
 
 class Block(nnx.Module):
-  """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x))."""
+  """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)) (its weights)."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
     self.attention_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
@@ -246,14 +173,6 @@ class Block(nnx.Module):
     self.mlp_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
     self.mlp_in = nnx.Linear(config.d_model, config.d_ff, rngs=rngs)
     self.mlp_out = nnx.Linear(config.d_ff, config.d_model, rngs=rngs)
-
-  def __call__(self, x, positions, k_cache, v_cache, first_slot, allowed):
-    """Same arguments as `Attention.__call__`; returns `(x float32[B, T, D], k_cache, v_cache)`."""
-    h, k_cache, v_cache = self.attention(self.attention_norm(x), positions, k_cache, v_cache,
-                                         first_slot, allowed)
-    x = x + h
-    x = x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
-    return x, k_cache, v_cache
 
 
 class Transformer(nnx.Module):
@@ -273,64 +192,91 @@ class Transformer(nnx.Module):
     self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
     self.final_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-    """Full forward pass (training, evaluation, reference for the cache).
+  def _block(self, block: Block, x, attend, invariant: bool):
+    """One pre-norm block; `attend(q, k, v)` does the attention (cached or whole-sequence)."""
+    cfg = self.config
+    batch, width, _ = x.shape
+    h = numerics.rms_norm(x, block.attention_norm.scale[...], block.attention_norm.epsilon,
+                          invariant=invariant)
+    qkv = numerics.linear(h, block.attention.qkv.kernel[...], invariant=invariant)
+    qkv = qkv.reshape(batch, width, 3, cfg.n_heads, cfg.head_dim)
+    att = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])  # [B, T, H, Dh]
+    x = x + numerics.linear(att.reshape(batch, width, cfg.d_model),
+                            block.attention.out.kernel[...], invariant=invariant)
+    h = numerics.rms_norm(x, block.mlp_norm.scale[...], block.mlp_norm.epsilon,
+                          invariant=invariant)
+    h = numerics.linear(h, block.mlp_in.kernel[...], block.mlp_in.bias[...], invariant=invariant)
+    h = numerics.linear(jax.nn.gelu(h), block.mlp_out.kernel[...], block.mlp_out.bias[...],
+                        invariant=invariant)
+    return x + h
 
-    Query i of a row attends to key j iff `mask[j]` and `j <= i`. Logits at masked (padding)
-    columns are finite but meaningless.
+  def _logits(self, x, invariant: bool):
+    x = numerics.rms_norm(x, self.final_norm.scale[...], self.final_norm.epsilon,
+                          invariant=invariant)
+    return numerics.tied_logits(x, self.embed.embedding[...], invariant=invariant)
+
+  def run(self, tokens: jax.Array, positions: jax.Array, cache: KVCache):
+    """The one inference pass: K tokens per row through the KV cache.
+
+    `tokens[b, t]` has position `positions[b] + t`; its key and value go to that slot (a slot
+    past the cache is not written). Query t attends to the row's slots 0 .. positions[b] + t.
 
     Args:
-      tokens: int32[B, T].
-      positions: int32[B, T], each token's position in its own sequence (RoPE).
-      mask: bool[B, T], True on real tokens.
+      tokens: int32[B, K].
+      positions: int32[B], the position of `tokens[:, 0]`.
+      cache: a `KVCache`.
 
     Returns:
-      float32[B, T, V] next-token logits at every column.
+      `(logits float32[B, K, V], cache)`; logits at a position past the cache or at or past
+      `max_len` are NaN, so that an overflow is visible rather than silently wrong.
     """
+    cfg = self.config
+    invariant = cfg.batch_invariant
     batch, width = tokens.shape
-    cache = init_cache(self.config, batch, width)
-    logits, _ = self.run_cached(tokens, positions, cache, jnp.zeros((batch,), jnp.int32), mask)
-    return logits
+    slots = cache.k[0].shape[1]
+    q_pos = positions.astype(jnp.int32)[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    rows = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], (batch, width))
+    new_k, new_v = list(cache.k), list(cache.v)
+    x = jnp.take(self.embed.embedding[...], tokens, axis=0)  # [B, K, D]
+    for layer, block in enumerate(self.blocks):
+      def attend(q, k, v, layer=layer):
+        q = numerics.rope(q, q_pos, cfg.rope_base)
+        k = numerics.rope(k, q_pos, cfg.rope_base)
+        new_k[layer] = new_k[layer].at[rows, q_pos].set(k, mode="drop")
+        new_v[layer] = new_v[layer].at[rows, q_pos].set(v, mode="drop")
+        return numerics.attention(q, new_k[layer], new_v[layer], q_pos, invariant=invariant)
+      x = self._block(block, x, attend, invariant)
+    logits = self._logits(x, invariant)
+    inside = (q_pos < slots) & (q_pos < cfg.max_len)
+    logits = jnp.where(inside[:, :, None], logits, jnp.nan)
+    return logits, KVCache(k=tuple(new_k), v=tuple(new_v))
 
-  def run_cached(self, tokens, positions, cache: KVCache, first_slot, key_valid):
-    """The pass that every entry point shares.
-
-    Writes the keys/values of `tokens[b, t]` into slot `first_slot[b] + t` and lets that token
-    attend to every slot j with `key_valid[b, j]` and `j <= first_slot[b] + t`.
-
-    Cache overflow: a token whose slot is >= S is not stored (no other slot is touched), and its
-    logits are NaN so that the overflow is visible rather than silently wrong. Size caches as
-    `prompt width + max_new_tokens`.
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """Training's pass: whole sequences, plain differentiable ops, no cache.
 
     Args:
-      tokens: int32[B, T].
-      positions: int32[B, T] logical positions (RoPE).
-      cache: a `KVCache` of S slots per row.
-      first_slot: int32[B], the slot of `tokens[b, 0]`.
-      key_valid: bool[B, S], the slots a row may attend to at all.
+      tokens: int32[B, T], each row a sequence from position 0 (right padding, if any, only
+        follows the real tokens and so changes none of their logits).
 
     Returns:
-      `(logits float32[B, T, V], cache)` with the new keys/values written; `start` unchanged.
+      float32[B, T, V] next-token logits at every position.
     """
-    slots, width = cache.k.shape[2], tokens.shape[1]
-    query_slot = first_slot[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, T]
-    slot = jnp.arange(slots, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
-    causal = slot <= query_slot[:, :, None]  # [B, T, S]
-    allowed = key_valid[:, None, :] & causal  # [B, T, S]
+    cfg = self.config
+    width = tokens.shape[1]
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
 
-    x = self.embed(tokens)  # [B, T, D]
-    new_k, new_v = [], []
-    for layer, block in enumerate(self.blocks):
-      x, k, v = block(x, positions, cache.k[layer], cache.v[layer], first_slot, allowed)
-      new_k.append(k)
-      new_v.append(v)
-    logits = self.embed.attend(self.final_norm(x))  # [B, T, V]
-    logits = jnp.where((query_slot < slots)[:, :, None], logits, jnp.nan)
-    return logits, cache.replace(k=jnp.stack(new_k), v=jnp.stack(new_v))
+    def attend(q, k, v):
+      return numerics.causal_attention(numerics.rope(q, positions, cfg.rope_base),
+                                       numerics.rope(k, positions, cfg.rope_base), v)
+
+    x = jnp.take(self.embed.embedding[...], tokens, axis=0)
+    for block in self.blocks:
+      x = self._block(block, x, attend, invariant=False)
+    return self._logits(x, invariant=False)
 
 
 def _check_prompt(config: TransformerConfig, tokens, lengths, max_width: int, max_name: str):
-  """Eager checks of a left-padded batch; values are checked only when they are concrete."""
+  """Eager checks of a right-padded batch; values are checked only when they are concrete."""
   if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
     raise ValueError(f"tokens must be an integer array [B, T]; got shape {jnp.shape(tokens)} "
                      f"of dtype {jnp.result_type(tokens)}")
@@ -340,12 +286,12 @@ def _check_prompt(config: TransformerConfig, tokens, lengths, max_width: int, ma
                      f"{jnp.shape(lengths)}")
   if width > max_width:
     raise ValueError(f"the prompt width T = {width} is longer than {max_name} = {max_width}")
-  if not isinstance(tokens, jax.core.Tracer):
+  if not _checks.is_traced(tokens):
     values = np.asarray(tokens)
     if values.size and (values.min() < 0 or values.max() >= config.vocab_size):
       raise ValueError(f"token ids must be in [0, {config.vocab_size}); got: min {values.min()} "
                        f"/ max {values.max()}")
-  if not isinstance(lengths, jax.core.Tracer):
+  if not _checks.is_traced(lengths):
     values = np.asarray(lengths)
     if values.min() < 1 or values.max() > width:
       raise ValueError(f"lengths must be in [1, T = {width}]; got {values.tolist()}")
@@ -353,27 +299,28 @@ def _check_prompt(config: TransformerConfig, tokens, lengths, max_width: int, ma
 
 def prefill(graphdef: nnx.GraphDef, weights: nnx.State, tokens: jax.Array, lengths: jax.Array,
             *, cache_length: int):
-  """Runs left-padded prompts through the model, filling cache slots 0..T-1.
+  """Runs right-padded prompts through the model into a new cache.
 
   Args:
     graphdef: the model structure (`nnx.split(model)[0]`); static.
     weights: the model weights (`nnx.split(model)[1]`); traced.
-    tokens: int32[B, T] left-padded prompts (`jaxdecode.decoding.left_pad`).
+    tokens: int32[B, T] right-padded prompts (`jaxdecode.right_pad`).
     lengths: int32[B], the number of real tokens of each row (1..T).
-    cache_length: S, slots per row (static), T <= S <= `config.max_len`; the prompt plus every
-      generated token must fit (a token past the cache gets NaN logits).
+    cache_length: positions the cache must hold (static), T <= cache_length <= `max_len`: the
+      prompt plus every token to generate (a token past it gets NaN logits).
 
   Returns:
-    `(logits float32[B, V], state)`: each row's next-token logits (column T - 1) and a
-    `DecodeState` whose cache has `start = T - lengths`. The first new token of row b has
-    position `lengths[b]`.
+    `(logits float32[B, V], state)`: each row's next-token logits (after its last real token)
+    and a `DecodeState`. The first new token of row b has position `lengths[b]`.
   """
   config = nnx.merge(graphdef, weights).config
+  cache_length = _checks.integer("cache_length", cache_length, low=1)
   if not config.max_len >= cache_length >= jnp.shape(tokens)[-1]:
     raise ValueError(f"cache_length must be between the prompt width T and max_len; got: "
                      f"{jnp.shape(tokens)[-1]} <= {cache_length} <= {config.max_len} is false")
   _check_prompt(config, tokens, lengths, cache_length, "cache_length")
-  logits, cache = _prefill(graphdef, weights, tokens, lengths, cache_length=cache_length)
+  logits, cache = _prefill(graphdef, weights, jnp.asarray(tokens, jnp.int32),
+                           jnp.asarray(lengths, jnp.int32), cache_length=cache_length)
   return logits, DecodeState(weights=weights, cache=cache)
 
 
@@ -381,68 +328,90 @@ def prefill(graphdef: nnx.GraphDef, weights: nnx.State, tokens: jax.Array, lengt
 def _prefill(graphdef, weights, tokens, lengths, *, cache_length):
   """Jitted `prefill`; returns `(logits [B, V], KVCache)`."""
   model = nnx.merge(graphdef, weights)
-  batch, width = tokens.shape
-  cache = init_cache(model.config, batch, cache_length).replace(start=width - lengths)
-  key_valid = jnp.pad(prompt_mask(lengths, width), ((0, 0), (0, cache_length - width)))  # [B, S]
-  logits, cache = model.run_cached(tokens, prompt_positions(lengths, width), cache,
-                                   jnp.zeros((batch,), jnp.int32), key_valid)
-  return logits[:, -1], cache
+  batch = tokens.shape[0]
+  cache, start = _opaque((init_cache(model.config, batch, cache_length),
+                          jnp.zeros((batch,), jnp.int32)))
+  logits, cache = model.run(tokens, start, cache)
+  return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0], cache
 
 
-def make_step_fn(graphdef: nnx.GraphDef):
-  """The jitted decode step for `jaxdecode.decode`: one new token per row through the cache.
+def make_step_fn(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None = None,
+                 axis: str = "data"):
+  """The jitted model step for `jaxdecode.decode` (one token per row) and for
+  `jaxdecode.speculative_decode` (K tokens per row): the same function, `Transformer.run`.
 
   Build it once per model structure: each call of `make_step_fn` makes a new jitted function.
 
   Args:
     graphdef: the model structure (`nnx.split(model)[0]`).
+    mesh: for a batch split over devices, the `jax.sharding.Mesh`; the step then runs under
+      `jax.shard_map`, so every device runs the single-device program on its own rows (plain
+      GSPMD partitioning would choose kernels from the global batch and change the bits).
+    axis: the mesh axis the batch is split over.
 
   Returns:
-    `step_fn(state, tokens int32[B], positions int32[B]) -> (logits float32[B, V], state)`, pure.
-    Row b's token is written to slot `state.cache.start[b] + positions[b]` and attends to the
-    row's slots `start[b] .. that slot`; RoPE uses `positions`. `positions` are logical: row b's
-    first new token has position `lengths[b]`. A slot past the cache is not written and its
-    row's logits are NaN (see `Transformer.run_cached`).
+    `step_fn(state, tokens, positions) -> (logits, state)`, pure: tokens int32[B] give logits
+    float32[B, V]; tokens int32[B, K] give logits float32[B, K, V], bitwise those of K
+    single steps. `tokens[b, t]` has position `positions[b] + t`; slots past the cache are not
+    written and their logits are NaN.
   """
 
+  def run(weights, cache, tokens, positions):
+    return nnx.merge(graphdef, weights).run(tokens, positions, cache)
+
+  if mesh is not None:
+    rows = jax.sharding.PartitionSpec(axis)
+    run = jax.shard_map(run, mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), rows, rows, rows),
+                        out_specs=(rows, rows), check_vma=False)
+
   def step_fn(state: DecodeState, tokens: jax.Array, positions: jax.Array):
-    batch = state.cache.start.shape[0]
-    if tokens.shape != (batch,) or positions.shape != (batch,):
-      raise ValueError(f"tokens and positions must have shape ({batch},), one per cache row; "
-                       f"got {tokens.shape} / {positions.shape}")
-    model = nnx.merge(graphdef, state.weights)
-    cache = state.cache
-    slots = cache.k.shape[2]
-    key_valid = jnp.arange(slots, dtype=jnp.int32)[None, :] >= cache.start[:, None]  # [B, S]
-    logits, cache = model.run_cached(tokens[:, None].astype(jnp.int32),
-                                     positions[:, None].astype(jnp.int32), cache,
-                                     cache.start + positions.astype(jnp.int32), key_valid)
-    return logits[:, 0], DecodeState(weights=state.weights, cache=cache)
+    batch = state.cache.k[0].shape[0]
+    single = jnp.ndim(tokens) == 1
+    if jnp.shape(tokens)[:1] != (batch,) or jnp.ndim(tokens) not in (1, 2) \
+        or jnp.shape(positions) != (batch,):
+      raise ValueError(f"tokens must have shape ({batch},) or ({batch}, K) and positions shape "
+                       f"({batch},), one per cache row; got {jnp.shape(tokens)} / "
+                       f"{jnp.shape(positions)}")
+    tokens = jnp.asarray(tokens, jnp.int32)
+    logits, cache = run(state.weights, state.cache, tokens[:, None] if single else tokens,
+                        jnp.asarray(positions, jnp.int32))
+    return (logits[:, 0] if single else logits), DecodeState(weights=state.weights, cache=cache)
 
   return jax.jit(step_fn)
 
 
 def forward(graphdef: nnx.GraphDef, weights: nnx.State, tokens: jax.Array,
             lengths: jax.Array) -> jax.Array:
-  """Full forward pass over left-padded prompts (jitted).
+  """The inference pass over whole right-padded sequences (jitted): `Transformer.run` with a
+  fresh cache, so its logits are bitwise those of prefill and of the decode steps.
 
   Args:
     graphdef: the model structure; static.
     weights: the model weights; traced.
-    tokens: int32[B, T] left-padded sequences.
+    tokens: int32[B, T] right-padded sequences.
     lengths: int32[B] real tokens per row.
 
   Returns:
-    float32[B, T, V]: `logits[b, t]` predicts the token after column t; padding columns are
-    meaningless.
+    float32[B, T, V]: `logits[b, t]` predicts the token after position t; columns at or after
+    `lengths[b]` are meaningless.
   """
   config = nnx.merge(graphdef, weights).config
   _check_prompt(config, tokens, lengths, config.max_len, "max_len")
-  return _forward(graphdef, weights, tokens, lengths)
+  return _forward(graphdef, weights, jnp.asarray(tokens, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _forward(graphdef, weights, tokens, lengths):
+def _forward(graphdef, weights, tokens):
   model = nnx.merge(graphdef, weights)
-  width = tokens.shape[1]
-  return model(tokens, prompt_positions(lengths, width), prompt_mask(lengths, width))
+  batch, width = tokens.shape
+  cache, start = _opaque((init_cache(model.config, batch, width),
+                          jnp.zeros((batch,), jnp.int32)))
+  logits, _ = model.run(tokens, start, cache)
+  return logits
+
+
+def _opaque(values):
+  """Values the compiler cannot see through. A prefill's fresh cache and zero positions are
+  compile-time constants; XLA then simplifies the masks and the attention into another program
+  than the decode step's (which gets them as data), and the logits' bits differed."""
+  return jax.lax.optimization_barrier(values)

@@ -425,7 +425,7 @@ def decode_row(name: str, model, *, runs: int = RUNS, batch: int = 8, max_new_to
   if width + max_new_tokens > model.config.max_len:
     raise ValueError(f"prompt width {width} + max_new_tokens {max_new_tokens} exceeds the "
                      f"model's max_len {model.config.max_len}")
-  tokens, lengths = jaxdecode.left_pad(prompts, width=width)
+  tokens, lengths = jaxdecode.right_pad(prompts, width=width)
   graphdef, weights = nnx.split(model)
   logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=width + max_new_tokens)
   jax.block_until_ready(logits)
@@ -527,7 +527,7 @@ def beam_row(name: str, model, *, runs: int = RUNS, batch: int = 8, max_new_toke
   if width + max_new_tokens > model.config.max_len:
     raise ValueError(f"prompt width {width} + max_new_tokens {max_new_tokens} exceeds the "
                      f"model's max_len {model.config.max_len}")
-  tokens, lengths = jaxdecode.left_pad(prompts, width=width)
+  tokens, lengths = jaxdecode.right_pad(prompts, width=width)
   graphdef, weights = nnx.split(model)
   logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=width + max_new_tokens)
   step_fn = make_step_fn(graphdef)

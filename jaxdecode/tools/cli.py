@@ -1,4 +1,4 @@
-"""The `jaxdecode` command: generate, eval, train, bench, sweep.
+"""The `jaxdecode` command: generate, eval, train, audit, bench, sweep.
 
 A user's mistake (a bad flag, value, file or output path) gets a one-line error and exit status
 2, never a traceback; paths are checked before any long work starts. SIGTERM and Ctrl-C stop
@@ -20,6 +20,7 @@ from flax import nnx
 from jaxdecode import _checks
 from jaxdecode import _files
 from jaxdecode import models
+from jaxdecode.invariance import audit as invariance_audit
 from jaxdecode.models import training
 from jaxdecode.params import SamplingParams
 from jaxdecode.tools import bench
@@ -61,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="with --beams: beam score = sum of log-probs / length ** this")
   g.add_argument("--model", default=None, help="a checkpoint from `jaxdecode train` "
                                                "(default: the embedded model)")
+  g.add_argument("--draft", default=None, metavar="ngram|model|PATH",
+                 help="speculative decoding (the same text, fewer model calls): drafts from "
+                      "prompt lookup (ngram), the embedded draft model (model) or a checkpoint")
+  g.add_argument("--num-draft-tokens", type=positive_int, default=4, metavar="K",
+                 help="with --draft: tokens drafted and verified per model call (1..16)")
 
   e = sub.add_parser("eval", help="the model's loss on a text file, in nats and bits per byte")
   e.add_argument("file")
@@ -84,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--heads", type=positive_int, default=4)
   t.add_argument("--d-ff", type=positive_int, default=1024)
   t.add_argument("--max-len", type=positive_int, default=256)
+  a = sub.add_parser("audit", help="is a prompt's output the same alone and in any batch? "
+                                   "(both numerics modes, bit for bit)")
+  a.add_argument("--model", default=None, help="a checkpoint (default: the embedded model)")
+  a.add_argument("--mixes", type=positive_int, default=20, help="random batches per mode")
+  a.add_argument("--steps", type=positive_int, default=48, help="greedy steps per run")
+  a.add_argument("--max-batch", type=positive_int, default=16,
+                 help="the largest batch of a mix (at least 2)")
+  a.add_argument("--seed", type=seed, default=0)
+  a.add_argument("--verbose", action="store_true", help="one table line per mix")
   sub.add_parser("bench", help="the benchmark suite (see `jaxdecode bench --help`)")
   sweep.add_arguments(sub.add_parser(
       "sweep", help="degeneration metrics of 13 sampling settings: a CSV table and a plot",
@@ -134,11 +149,22 @@ def _generate(args) -> None:
              _CONTROL[name]}
   params = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=top_p,
                           min_p=args.min_p, **control)
+  if args.draft is None and args.num_draft_tokens != 4:
+    raise ValueError("--num-draft-tokens applies to speculative decoding: add --draft")
+  if args.draft is not None and beams is not None:
+    raise ValueError("--draft and --beams exclude each other: speculative decoding speeds up "
+                     "sampling, not beam search")
+  draft = args.draft
+  if draft == "model":
+    draft = models.load_draft()
+  elif draft not in (None, "ngram"):
+    draft = models.load_checkpoint(draft)[0]  # a missing or broken file: a clear ValueError
   model = _load_model(args.model)
   out = models.generate(args.prompts, model=model, params=params, seed=args.seed,
                         max_new_tokens=args.max_new_tokens, penalize_prompt=args.penalize_prompt,
                         beam_size=beams, num_return=args.num_return if beams else None,
-                        length_penalty=args.length_penalty)
+                        length_penalty=args.length_penalty, draft=draft,
+                        num_draft_tokens=args.num_draft_tokens)
   for i, (prompt, text) in enumerate(zip(args.prompts, out.texts)):
     if beams is None:
       print(f"--- [{i + 1}] {prompt!r}")
@@ -159,6 +185,9 @@ def _generate(args) -> None:
         ("min_p", args.min_p, 0.0)) if value != off)
   settings += "".join(f" {k}={v:g}" for k, v in control.items()) + (
       " penalize_prompt" if args.penalize_prompt else "")
+  if args.draft is not None:
+    settings += (f" draft={args.draft} K={args.num_draft_tokens} (acceptance "
+                 f"{out.acceptance_rate:.0%}, {out.calls} model calls)")
   print(f"--- {settings}{'' if beams else f' seed={args.seed}'} | {len(args.prompts)} prompt(s), "
         f"{int(out.lengths.sum())} new tokens in {out.seconds:.2f} s "
         f"({out.tokens_per_second:.0f} tokens/s, compilation included)")
@@ -174,7 +203,54 @@ def _eval(args) -> None:
   print(f"{nats:.4f} nats/byte ({nats / math.log(2):.4f} bits/byte) over {data.size} bytes")
 
 
-COMMANDS = {"generate": _generate, "eval": _eval, "train": _train, "sweep": sweep.run_command}
+def audit_prompts(count: int, seed: int) -> list:
+  """Byte prompts of 3..120 bytes cut from the pydoc topics (the audit's needles/partners)."""
+  from pydoc_data import topics  # pylint: disable=import-outside-toplevel
+  text = " ".join(topics.topics[k] for k in sorted(topics.topics)).encode("utf-8")
+  rng = np.random.default_rng(seed)
+  prompts = []
+  for _ in range(count):
+    n = int(rng.integers(3, 121))
+    start = int(rng.integers(0, len(text) - n))
+    prompts.append([models.ByteTokenizer.BOS] + list(text[start:start + n]))
+  return prompts
+
+
+def _audit(args) -> None:
+  if args.max_batch < 2:
+    raise ValueError(f"--max-batch must be at least 2 (a needle and a partner); got "
+                     f"{args.max_batch}")
+  if args.model is not None:
+    _files.read_input(args.model, "checkpoint")
+  prompts = audit_prompts(max(8, args.max_batch), args.seed)
+  print(f"jaxdecode audit: {args.mixes} random mixes per mode (batches of 2..{args.max_batch}, "
+        f"random slots and partners), {args.steps} greedy steps, on {jax.default_backend()}")
+  summary = []
+  for invariant in (True, False):
+    if args.model is None:
+      model = models.load_default(batch_invariant=invariant)[0]
+    else:
+      model = models.load_checkpoint(args.model, batch_invariant=invariant)[0]
+    step_fn = models.make_step_fn(nnx.graphdef(model))
+    report = invariance_audit(models.batch_prefill(model, extra=args.steps), step_fn, prompts,
+                              steps=args.steps, mixes=args.mixes, max_batch=args.max_batch,
+                              seed=args.seed)
+    name = "batch-invariant" if invariant else "plain XLA"
+    if args.verbose:
+      print(report.format_table(f"--- {name}"))
+    worst = max(m.max_abs_diff for m in report.mixes)
+    summary.append((name, report.divergent, report.flipped, worst))
+  print(f"{'numerics':<16} {'mixes':>5} {'logits differ':>13} {'tokens flip':>11} "
+        f"{'max |diff|':>10}")
+  for name, divergent, flipped, worst in summary:
+    print(f"{name:<16} {args.mixes:>5} {divergent:>13} {flipped:>11} {worst:>10.3g}")
+  if summary[0][1]:
+    print("the batch-invariant mode diverged on this machine: its promise does not hold here; "
+          "please report it with this table")
+
+
+COMMANDS = {"generate": _generate, "eval": _eval, "train": _train, "audit": _audit,
+            "sweep": sweep.run_command}
 
 
 def _enable_compilation_cache() -> None:

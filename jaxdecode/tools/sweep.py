@@ -51,7 +51,7 @@ from jaxdecode import _files
 from jaxdecode import metrics
 from jaxdecode.models import ByteTokenizer, generate, load_default, teacher_forced_logits
 from jaxdecode.params import SamplingParams
-from jaxdecode.prompts import left_pad
+from jaxdecode.prompts import right_pad
 from jaxdecode.tools._args import OneLineParser, non_negative_int
 
 
@@ -220,7 +220,7 @@ def run_sweep(out_dir, *, quick: bool = False, seed: int = 0, prompts: Sequence[
                  max_new_tokens=max_new_tokens, tokenizer=tok)
   say(f"generated {int(gen.lengths.sum())} tokens in {gen.seconds:.1f} s; scoring them under "
       f"the model (teacher forcing)")
-  prompt_tokens, prompt_lengths = left_pad([tok.encode(p) for p in prompts] * n_settings,
+  prompt_tokens, prompt_lengths = right_pad([tok.encode(p) for p in prompts] * n_settings,
                                            pad_id=tok.PAD, buckets=None)
   logits = teacher_forced_logits(model, prompt_tokens, prompt_lengths, gen.tokens)
   log_likelihoods = np.asarray(metrics.token_log_likelihoods(logits, gen.tokens, gen.lengths))

@@ -1,0 +1,169 @@
+"""An invariance audit for any model: is a prompt's output the same alone and in a batch?
+
+`audit(prefill, step_fn, prompts)` decodes each of some prompts greedily alone (the reference),
+then inside random mixes (a random batch size, a random slot, random partner prompts of other
+lengths), and compares the prompt's row bit for bit: the logits at every step until the tokens
+part, the first step whose logits differ at all, and the greedy tokens that flip. The needle
+test of vLLM's and SGLang's batch-invariant modes, for your model on your hardware: XLA picks
+kernels by shape, differently on CPU, GPU and TPU, so a promise tested on one machine is checked
+again on another by running this.
+
+`jaxdecode audit` runs it on the embedded transformer in both modes (batch-invariant numerics
+and plain XLA) and prints a table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode import _checks
+from jaxdecode import processors
+
+
+@dataclasses.dataclass(frozen=True)
+class MixResult:
+  """One mix: the needle at `slot` of a batch of `batch` prompts.
+
+  Attributes:
+    needle: index of the needle in the audited prompts.
+    batch, slot: the batch size and the needle's row.
+    partner_lengths: the other rows' prompt lengths.
+    max_abs_diff: the largest |logit difference| at the steps before the tokens first part.
+    first_logit_divergence: the first step whose logits differ in any bit (None: never).
+    first_token_flip: the first step whose greedy token differs (None: never).
+    tokens_flipped: how many of the steps' greedy tokens differ.
+  """
+  needle: int
+  batch: int
+  slot: int
+  partner_lengths: tuple
+  max_abs_diff: float
+  first_logit_divergence: int | None
+  first_token_flip: int | None
+  tokens_flipped: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+  """What `audit` found, mix by mix."""
+  steps: int
+  mixes: list
+
+  @property
+  def divergent(self) -> int:
+    """Mixes in which the needle's logits differ from its reference in any bit."""
+    return sum(m.first_logit_divergence is not None for m in self.mixes)
+
+  @property
+  def flipped(self) -> int:
+    """Mixes in which at least one greedy token changed."""
+    return sum(m.first_token_flip is not None for m in self.mixes)
+
+  def format_table(self, title: str = "") -> str:
+    """A text table, one line per mix, and a summary line."""
+    lines = [title] if title else []
+    header = (f"{'needle':>6} {'B':>3} {'slot':>4} {'max |diff|':>11} {'1st diff':>8} "
+              f"{'1st flip':>8} {'flips':>5}")
+    lines += [header, "-" * len(header)]
+    for m in self.mixes:
+      lines.append(f"{m.needle:>6} {m.batch:>3} {m.slot:>4} {m.max_abs_diff:>11.3g} "
+                   f"{_step(m.first_logit_divergence):>8} {_step(m.first_token_flip):>8} "
+                   f"{m.tokens_flipped:>5}")
+    lines.append(f"{self.divergent} of {len(self.mixes)} mixes diverge (logits differ in some "
+                 f"bit); {self.flipped} flip a greedy token within {self.steps} steps")
+    return "\n".join(lines) + "\n"
+
+
+def _step(value) -> str:
+  return "-" if value is None else str(value)
+
+
+@functools.partial(jax.jit, static_argnames=("step_fn", "steps"))
+def _greedy_run(step_fn, state, logits, positions, *, steps: int):
+  """Greedy tokens [B, steps] and the logits they came from [B, steps, V] (step 0: prefill's)."""
+  def body(carry, t):
+    state, logits = carry
+    token = processors.first_argmax(processors.remove_nan(logits))
+    new_logits, state = step_fn(state, token, positions + t)
+    return (state, new_logits), (token, logits)
+
+  _, (tokens, all_logits) = jax.lax.scan(body, (state, logits),
+                                         jnp.arange(steps, dtype=jnp.int32))
+  return tokens.T, jnp.swapaxes(all_logits, 0, 1)
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+  return np.ascontiguousarray(np.asarray(x, np.float32)).view(np.uint32)
+
+
+def audit(prefill: Callable, step_fn: Callable, prompts: Sequence[Sequence[int]], *,
+          steps: int = 32, mixes: int = 20, max_batch: int = 16, seed: int = 0) -> AuditReport:
+  """Decodes prompts alone and in random batches and compares them bit for bit.
+
+  Args:
+    prefill: `prefill(prompts: list of token lists) -> (logits [B, V], state, positions [B])`:
+      your model's prefill of a batch (pad as your model wants); `positions` are the positions
+      of each row's first new token.
+    step_fn: `decode`'s step contract, `(state, tokens [B], positions [B]) -> (logits, state)`;
+      the state must have room for `steps` more tokens per row. Static: build it once.
+    prompts: at least two token lists; needles and partners are drawn from them.
+    steps: greedy steps per run (the prefill's logits count as step 0).
+    mixes: how many random mixes.
+    max_batch: the largest batch of a mix (2..max_batch rows).
+    seed: the mixes' randomness.
+
+  Returns:
+    An `AuditReport` (`.divergent`, `.flipped`, `.format_table()`).
+  """
+  prompts = _checks.token_prompts(prompts)
+  if len(prompts) < 2:
+    raise ValueError(f"prompts must hold at least 2 prompts (a needle and a partner); got "
+                     f"{len(prompts)}")
+  if not callable(prefill) or not callable(step_fn):
+    raise ValueError("prefill and step_fn must be callable")
+  steps = _checks.integer("steps", steps, low=1)
+  mixes = _checks.integer("mixes", mixes, low=1)
+  max_batch = _checks.integer("max_batch", max_batch, low=2)
+  seed = _checks.integer("seed", seed)
+  rng = np.random.default_rng(seed)
+
+  def run(batch_prompts):
+    logits, state, positions = prefill([list(p) for p in batch_prompts])
+    tokens, all_logits = _greedy_run(step_fn, state, logits,
+                                     jnp.asarray(positions, jnp.int32), steps=steps)
+    return np.asarray(tokens), np.asarray(all_logits)
+
+  references = {}
+  results = []
+  for _ in range(mixes):
+    needle = int(rng.integers(len(prompts)))
+    if needle not in references:
+      tokens, logits = run([prompts[needle]])
+      references[needle] = (tokens[0], logits[0])
+    ref_tokens, ref_logits = references[needle]
+    batch = int(rng.integers(2, max_batch + 1))
+    slot = int(rng.integers(batch))
+    others = [i for i in range(len(prompts)) if i != needle]
+    partners = [prompts[int(i)] for i in rng.choice(others, batch - 1)]
+    batch_prompts = partners[:slot] + [prompts[needle]] + partners[slot:]
+    tokens, logits = run(batch_prompts)
+    tokens, logits = tokens[slot], logits[slot]
+    flips = np.flatnonzero(tokens != ref_tokens)
+    first_flip = int(flips[0]) if flips.size else None
+    # Logits are comparable while the tokens fed so far agree: steps 0 .. first flip.
+    upto = steps if first_flip is None else first_flip + 1
+    differs = np.any(_bits(logits[:upto]) != _bits(ref_logits[:upto]), axis=-1)
+    diverged = np.flatnonzero(differs)
+    with np.errstate(invalid="ignore"):
+      diff = np.nanmax(np.abs(logits[:upto].astype(np.float64) - ref_logits[:upto]))
+    results.append(MixResult(
+        needle=needle, batch=batch, slot=slot, partner_lengths=tuple(len(p) for p in partners),
+        max_abs_diff=float(diff), first_logit_divergence=int(diverged[0]) if diverged.size
+        else None, first_token_flip=first_flip, tokens_flipped=int(flips.size)))
+  return AuditReport(steps=steps, mixes=results)

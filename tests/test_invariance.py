@@ -1,0 +1,261 @@
+"""Bit for bit through the model: a row's output depends on its own prompt, key and params only.
+
+The needle test (vLLM's and SGLang's, here through jaxdecode's own transformer): a prompt decoded
+alone, then at a random slot of batches of random size with random partner prompts of other
+lengths, greedy and sampled rows with per-row keys; tokens and log-probabilities compared bit
+for bit. Then prefill chunking, 8 devices, the plain numerics as a negative control (so the test
+can fail), and the audit on a model built to be non-invariant.
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxdecode
+from jaxdecode import SamplingParams
+from jaxdecode.models import (Transformer, TransformerConfig, batch_prefill, load_default,
+                              make_step_fn, prefill)
+from jaxdecode.prompts import right_pad
+import toy_model
+
+SMALL = TransformerConfig(d_model=64, n_layers=2, n_heads=2, d_ff=128, max_len=128)
+N = 64  # new tokens per row
+WIDTH = 64  # the batch's prompt width; a prompt alone gets its own (smaller) width
+
+
+def corpus_prompts(count, seed, low=3, high=40):
+  """Byte prompts cut from the pydoc topics, of random lengths."""
+  from pydoc_data import topics  # pylint: disable=import-outside-toplevel
+  text = " ".join(topics.topics[k] for k in sorted(topics.topics)).encode("utf-8")
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(count):
+    n = int(rng.integers(low, high))
+    start = int(rng.integers(0, len(text) - n))
+    out.append([256] + list(text[start:start + n]))
+  return out
+
+
+@pytest.fixture(scope="module")
+def small():
+  model = Transformer(SMALL, rngs=nnx.Rngs(3))
+  graphdef, weights = nnx.split(model)
+  return graphdef, weights, make_step_fn(graphdef)
+
+
+def run(graphdef, weights, step_fn, prompts, keys, params, width=None):
+  """Right-pad, prefill, decode N tokens: (tokens, logprobs)."""
+  tokens, lengths = right_pad(prompts, pad_id=258, width=width)
+  logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=tokens.shape[1] + N)
+  out = jaxdecode.decode(step_fn, state, logits, key=keys, params=params, max_new_tokens=N,
+                         positions=lengths, eos_ids=[257], pad_id=258)
+  return np.asarray(out.tokens), np.asarray(out.logprobs)
+
+
+def row_params(rng, batch):
+  """Per-row settings: greedy, top-p and min-p rows mixed."""
+  kind = rng.integers(0, 3, batch)
+  return SamplingParams(temperature=np.where(kind == 0, 0.0, 0.9).astype(np.float32),
+                        top_p=np.where(kind == 1, 0.9, 1.0).astype(np.float32),
+                        min_p=np.where(kind == 2, 0.05, 0.0).astype(np.float32))
+
+
+def needle_mixes(graphdef, weights, step_fn, mixes, batches, seed):
+  """Yields (alone, in the batch) (tokens, logprobs) for random mixes."""
+  rng = np.random.default_rng(seed)
+  pool = corpus_prompts(40, seed)
+  all_keys = jax.random.split(jax.random.key(seed), 64)
+  for m in range(mixes):
+    batch = int(rng.choice(batches))
+    slot = int(rng.integers(batch))
+    needle = int(rng.integers(len(pool)))
+    prompts = [pool[int(i)] for i in rng.integers(0, len(pool), batch)]
+    prompts[slot] = pool[needle]
+    keys = all_keys[rng.permutation(64)[:batch]]
+    params = row_params(rng, batch)
+    together = run(graphdef, weights, step_fn, prompts, keys, params, width=WIDTH)
+    alone = run(graphdef, weights, step_fn, [pool[needle]], keys[slot:slot + 1],
+                params.rows(slice(slot, slot + 1)))  # its own padding width
+    yield m, alone, (together[0][slot:slot + 1], together[1][slot:slot + 1])
+
+
+def test_needle_alone_equals_the_needle_in_random_batches_bit_for_bit(small):
+  for m, alone, together in needle_mixes(*small, mixes=6, batches=[3, 8], seed=0):
+    chex.assert_trees_all_equal(alone, together, custom_message=f"mix {m}")
+
+
+@pytest.mark.slow
+def test_needle_over_200_mixes_of_batch_sizes_1_to_16(small):
+  count = 0
+  for m, alone, together in needle_mixes(*small, mixes=200, batches=[1, 2, 3, 5, 8, 13, 16],
+                                         seed=1):
+    chex.assert_trees_all_equal(alone, together, custom_message=f"mix {m}")
+    count += 1
+  assert count == 200
+
+
+@pytest.mark.slow
+def test_the_plain_numerics_differ_in_some_mix_so_the_needle_test_can_fail():
+  """Negative control: the same needle test with `batch_invariant=False` must see a difference."""
+  plain = Transformer(dataclasses.replace(SMALL, batch_invariant=False), rngs=nnx.Rngs(3))
+  graphdef, weights = nnx.split(plain)
+  step_fn = make_step_fn(graphdef)
+  differs = 0
+  for _, alone, together in needle_mixes(graphdef, weights, step_fn, mixes=6, batches=[3, 8],
+                                         seed=0):
+    differs += not all(np.array_equal(a, b) for a, b in zip(alone, together))
+  assert differs > 0
+
+
+def test_prefill_whole_in_chunks_and_token_by_token_give_the_same_bits(small):
+  graphdef, weights, step_fn = small
+  prompts = corpus_prompts(5, seed=7, low=20, high=40)
+  tokens, lengths = right_pad(prompts, pad_id=258, width=48)
+  whole, _ = prefill(graphdef, weights, tokens, lengths, cache_length=64)
+  shortest = int(lengths.min())
+  for chunk in (7, 3, 1):
+    # The first `chunk` tokens by prefill, the rest `chunk` at a time through the step.
+    logits, state = prefill(graphdef, weights, tokens[:, :chunk], jnp.full(5, chunk),
+                            cache_length=64)
+    seen = {chunk - 1: logits}
+    for start in range(chunk, shortest, chunk):
+      width = min(chunk, shortest - start)
+      step_logits, state = step_fn(state, tokens[:, start:start + width],
+                                   jnp.full(5, start, jnp.int32))
+      for j in range(width):
+        seen[start + j] = step_logits[:, j]
+    # Every row's logits after its position shortest - 1 equal the whole prefill's there.
+    full = jaxdecode.models.forward(graphdef, weights, tokens, lengths)
+    np.testing.assert_array_equal(seen[shortest - 1], full[:, shortest - 1])
+  np.testing.assert_array_equal(
+      whole, jnp.take_along_axis(full, (lengths - 1)[:, None, None], axis=1)[:, 0])
+
+
+@pytest.mark.slow
+def test_the_embedded_model_prefills_alike_in_one_call_or_token_by_token():
+  model, tok = load_default()
+  graphdef, weights = nnx.split(model)
+  step_fn = make_step_fn(graphdef)
+  ids = tok.encode("The for statement is used to iterate over the elements")
+  tokens, lengths = right_pad([ids], buckets=None)
+  whole, _ = prefill(graphdef, weights, tokens, lengths, cache_length=64)
+  logits, state = prefill(graphdef, weights, tokens[:, :1], jnp.array([1]), cache_length=64)
+  for p in range(1, len(ids)):
+    logits, state = step_fn(state, tokens[:, p], jnp.array([p], jnp.int32))
+  np.testing.assert_array_equal(logits, whole)
+
+
+@pytest.mark.slow
+def test_eight_devices_give_the_bits_of_one(tmp_path):
+  script = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, %r)
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jaxdecode
+    from jaxdecode.models import Transformer, make_step_fn, prefill
+    from jaxdecode.prompts import right_pad
+    import test_invariance as t
+    assert jax.device_count() == 8
+    graphdef, weights = nnx.split(Transformer(t.SMALL, rngs=nnx.Rngs(3)))
+    prompts = t.corpus_prompts(16, seed=5)
+    tokens, lengths = right_pad(prompts, pad_id=258, width=64)
+    logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=64 + t.N)
+    keys = jax.random.split(jax.random.key(0), 16)
+    params = jaxdecode.SamplingParams(temperature=0.8, top_p=0.9)
+    kw = dict(params=params, max_new_tokens=t.N, eos_ids=[257], pad_id=258)
+    one = jaxdecode.decode(make_step_fn(graphdef), state, logits, key=keys, positions=lengths,
+                           **kw)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    rows, shared = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    sharded_state = state.replace(weights=jax.device_put(state.weights, shared),
+                                  cache=jax.device_put(state.cache, rows))
+    out = jaxdecode.decode(make_step_fn(graphdef, mesh=mesh), sharded_state,
+                           jax.device_put(logits, rows), key=jax.device_put(keys, rows),
+                           positions=jax.device_put(lengths, rows), **kw)
+    assert len(out.tokens.sharding.device_set) == 8
+    np.testing.assert_array_equal(out.tokens, one.tokens)
+    np.testing.assert_array_equal(out.logprobs, one.logprobs)
+    print("8 devices equal")
+  """) % os.path.dirname(__file__)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "8 devices equal" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The audit.
+
+
+@pytest.mark.slow
+def test_the_audit_finds_nothing_on_an_invariant_model_and_reports_the_mixes(small):
+  graphdef, weights, step_fn = small
+  model = nnx.merge(graphdef, weights)
+  report = jaxdecode.audit(batch_prefill(model, extra=16), step_fn, corpus_prompts(8, 3),
+                           steps=16, mixes=5, max_batch=6)
+  assert len(report.mixes) == 5 and report.divergent == 0 and report.flipped == 0
+  assert all(m.max_abs_diff == 0 and 2 <= m.batch <= 6 for m in report.mixes)
+  assert "0 of 5 mixes diverge" in report.format_table()
+
+
+def test_the_audit_catches_a_model_whose_logits_depend_on_the_batch():
+  vocab = 13
+  table = toy_model.table(vocab)
+  step = toy_model.make_step(table)
+
+  def leaky_step(state, tokens, positions):  # adds a term that depends on the other rows
+    logits, state = step(state, tokens, positions)
+    return logits + 0.3 * jnp.mean(logits, axis=0, keepdims=True), state
+
+  def leaky_prefill(prompts):
+    logits, state, positions = toy_model.prefill(table, prompts)
+    return logits + 0.3 * jnp.mean(logits, axis=0, keepdims=True), state, positions
+
+  prompts = [[1, 2, 3], [4], [5, 6, 7, 8], [2, 2], [9, 0, 1]]
+  report = jaxdecode.audit(leaky_prefill, leaky_step, prompts, steps=12, mixes=6, max_batch=4)
+  assert report.divergent == 6  # every mix: step 0 already differs
+  assert all(m.first_logit_divergence == 0 and m.max_abs_diff > 0 for m in report.mixes)
+  assert report.flipped > 0 and sum(m.tokens_flipped for m in report.mixes) > 0
+  honest = jaxdecode.audit(lambda p: toy_model.prefill(table, p), step, prompts, steps=12,
+                           mixes=6, max_batch=4)
+  assert honest.divergent == 0
+
+
+def test_the_audit_rejects_bad_arguments():
+  with pytest.raises(ValueError, match="at least 2 prompts"):
+    jaxdecode.audit(lambda p: None, lambda s, t, p: None, [[1, 2]])
+  with pytest.raises(ValueError, match="max_batch must be an integer >= 2"):
+    jaxdecode.audit(lambda p: None, lambda s, t, p: None, [[1], [2]], max_batch=1)
+
+
+@pytest.mark.slow
+def test_the_audit_command_runs_both_modes_on_a_checkpoint(tmp_path, capsys):
+  from jaxdecode.models import save_checkpoint  # pylint: disable=import-outside-toplevel
+  from jaxdecode.tools import cli  # pylint: disable=import-outside-toplevel
+  tiny = TransformerConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=192)
+  path = str(tmp_path / "tiny.msgpack")
+  save_checkpoint(path, tiny, nnx.split(Transformer(tiny, rngs=nnx.Rngs(0)))[1])
+  code = cli.main(["audit", "--model", path, "--mixes", "2", "--steps", "4", "--max-batch",
+                   "3", "--verbose"])
+  out = capsys.readouterr().out
+  assert code == 0
+  lines = out.splitlines()
+  invariant = next(line for line in lines if line.startswith("batch-invariant "))
+  assert invariant.split() == ["batch-invariant", "2", "0", "0", "0"]
+  assert any(line.startswith("plain XLA ") for line in lines)
+  assert "--- batch-invariant" in out and "0 of 2 mixes diverge" in out
+  code = cli.main(["audit", "--model", path, "--max-batch", "1"])
+  err = capsys.readouterr().err
+  assert code == 2 and "--max-batch must be at least 2" in err and len(err.splitlines()) == 1
