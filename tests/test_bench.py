@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxdecode
 from jaxdecode import SamplingParams
@@ -211,7 +212,7 @@ def test_main_prints_json_or_a_table(kernel_result, capsys, monkeypatch):
   back = json.loads(capsys.readouterr().out)
   assert back["command"] == "python -m jaxdecode.bench --quick --json --no-decode --runs 5"
   assert seen["quick"] and seen["runs"] == 5 and not seen["decode"] and not seen["all_peers"]
-  assert seen["beam"] is None  # follows --no-decode
+  assert seen["beam"] is seen["numerics"] is seen["spec"] is None  # follow --no-decode
   ratios = [v for row in back["kernel"] for v in row["ratio"].values()]
   assert ratios and all(_positive_finite(v) for v in ratios)
   assert bench.main(["--quick", "--all-peers"], prog="jaxdecode bench") == 0
@@ -261,3 +262,65 @@ def test_beam_table_on_a_tiny_model():
   assert max(len(line) for line in table.splitlines()) <= 100
   assert any(line.startswith("tiny ") for line in table.splitlines()) and "skipped" in table
   json.dumps(bench._finite(result), allow_nan=False)
+
+
+@pytest.mark.slow
+def test_numerics_table_on_a_tiny_model():
+  def tiny(invariant):
+    config = bench.TransformerConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, d_ff=64,
+                                     max_len=128, batch_invariant=invariant)
+    return bench.Transformer(config, rngs=nnx.Rngs(0))
+
+  def missing(invariant):
+    raise ValueError("model checkpoint 'default.msgpack' does not exist")
+
+  (row,) = bench.numerics_table(batches=(2,), runs=5, max_new_tokens=8, loader=tiny)
+  assert row["batch"] == 2 and row["late_position"] == 128 - 32
+  assert set(row["median_s"]) == set(row["first_call_s"]) == {"invariant", "plain"}
+  assert set(row["step_ms"]) == {"early", "late"}
+  for value in [*row["median_s"].values(), *row["first_call_s"].values(),
+                *row["step_ms"].values(), *row["ratio"].values()]:
+    assert _positive_finite(value)
+  (skipped,) = bench.numerics_table(batches=(1,), runs=5, max_new_tokens=8, loader=missing)
+  assert "does not exist" in skipped["skipped"]
+  result = {"command": "", "machine": bench.machine_info(), "notes": [], "kernel": [],
+            "decode": [], "numerics": [row, skipped],
+            "settings": {"runs": 5, "warmup": 2, "seconds": 1.0, "max_new_tokens": 8}}
+  table = bench.format_table(result)
+  assert "Numerics:" in table and "position 96 over one at position 32" in table
+  assert "skipped: ValueError" in table
+
+
+@pytest.mark.slow
+def test_spec_table_on_a_tiny_model_counts_acceptance_and_calls():
+  def tiny():
+    return bench.random_model(259, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=256)
+
+  def no_draft():
+    raise ValueError("draft checkpoint 'draft.msgpack' does not exist")
+
+  rows = bench.spec_table(batches=(1,), ks=(2,), texts=("repetitive",), runs=5,
+                          max_new_tokens=8, model_loader=tiny, draft_loader=tiny)
+  assert [(r["drafter"], r["sampler"]) for r in rows] == [
+      ("ngram", "greedy"), ("ngram", "top-p"), ("model", "greedy"), ("model", "top-p")]
+  for row in rows:
+    assert 0.0 <= row["acceptance"]["2"] <= 1.0 and _positive_finite(row["speedup"]["2"])
+    # 8 tokens: the prefill's first, then rounds of 1 to 3 tokens each.
+    assert math.ceil(7 / 3) <= row["calls"]["2"] <= 7
+  skipped = bench.spec_table(batches=(1,), ks=(2,), texts=("fresh",), runs=5, max_new_tokens=8,
+                             model_loader=tiny, draft_loader=no_draft)
+  assert "does not exist" in skipped[0]["skipped"] and len(skipped) == 3
+  result = {"command": "", "machine": bench.machine_info(), "notes": [], "kernel": [],
+            "decode": [], "speculative": rows + skipped,
+            "settings": {"runs": 5, "warmup": 2, "seconds": 1.0, "max_new_tokens": 8,
+                         "spec_ks": [2]}}
+  table = bench.format_table(result)
+  assert "Speculative:" in table and "drafter model skipped" in table
+  assert "repetitive  1 ngram   greedy" in table
+
+
+def test_spec_prompts_repeat_a_pattern_or_open_a_paragraph():
+  (rep,) = bench.spec_prompts("repetitive", 1)
+  assert rep.count("def get_") == 4 and rep.endswith("    def get_height(self):\n")
+  fresh = bench.spec_prompts("fresh", 9)
+  assert fresh[0] == fresh[8] == "The for statement" and len(set(fresh)) == 8

@@ -285,7 +285,9 @@ def test_generate_with_a_draft_returns_the_same_bits_as_without(tiny, draft):
   drafter = draft if draft == "ngram" else Transformer(DRAFT_CONFIG, rngs=nnx.Rngs(1))
   params = jaxdecode.SamplingParams(temperature=[0.0, 0.9, 1.3], top_k=[0, 12, 0],
                                     top_p=[1.0, 1.0, 0.9], repetition_penalty=1.2)
-  prompts = ["abcabcabc", "Hello", "x = x + "]
+  # 42 + 20 new tokens nearly fill the context of 64: the verification's K + 1 slots past the
+  # last kept token are capped at max_len.
+  prompts = ["abcabcabc", "Hello", "x = x + " * 5 + "x"]
   plain = generate(prompts, model=model, params=params, seed=3, max_new_tokens=20)
   spec = generate(prompts, model=model, params=params, seed=3, max_new_tokens=20,
                   draft=drafter, num_draft_tokens=3)

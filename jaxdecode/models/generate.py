@@ -150,8 +150,10 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
   graphdef, weights = nnx.split(model)
   # A verification call writes K + 1 tokens; slots past the last one decode needs only ever
   # hold drafts that are thrown away (and positions past max_len give NaN logits, unused).
+  # (up to max_len: past it only discarded drafts would land).
   room = max_new_tokens + (num_draft_tokens + 1 if draft is not None else 0)
-  logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=width + room)
+  cache_length = min(width + room, context)
+  logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=cache_length)
   key = jax.random.key(seed) if key is None else key
   counts = None
   if penalize_prompt:
@@ -169,9 +171,13 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
     if isinstance(draft, str):
       drafter = NgramDrafter(tokens, lengths)
     else:
+      if draft.config.max_len < width:
+        raise ValueError(f"the draft model's context ({draft.config.max_len} tokens) is shorter "
+                         f"than the prompts ({width} tokens, padded); use a draft with a longer "
+                         f"max_len or draft='ngram'")
       draft_graphdef, draft_weights = nnx.split(draft)
       _, draft_state = prefill(draft_graphdef, draft_weights, tokens, lengths,
-                               cache_length=width + room)
+                               cache_length=min(cache_length, draft.config.max_len))
       drafter = ModelDrafter(draft_state, _step_fn(draft_graphdef))
     out = speculative_decode(_step_fn(graphdef), state, logits, key=key, params=params,
                              max_new_tokens=max_new_tokens, positions=lengths,

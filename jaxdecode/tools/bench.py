@@ -31,16 +31,23 @@ Tables:
    prompts and 64 new tokens (no EOS, so both run every step), on the embedded model: tokens/s
    of the returned sequences (each search returns B * N tokens) and of the model's work (the
    search feeds B * K * N tokens through the model, greedy B * N).
+4. Numerics. Greedy decode tokens/s of the embedded model with its batch-invariant numerics
+   over the same weights with plain XLA kernels, at B = 1, 8 and 64; each mode's first call
+   (compilation); one invariant step near the end of the context over one at position 32.
+5. Speculative decoding. `speculative_decode` over `decode` time (the same tokens) and the
+   acceptance rate, for the n-gram drafter and the embedded draft model, greedy and top-p 0.9,
+   B = 1 and 8, K = 2, 4, 8, on repetitive and on fresh prompts.
 
-Duration on 2 idle CPU cores (AMD EPYC): `--quick` about 2 minutes, the default run about 8
-(kernels 7, decode 1), plus the beam table (1-2 minutes; 4 on a loaded machine); up to twice that
-when the cores are shared. It scales with the samplers' own speed. The sort-based peers are slow at
-large sizes, so by default they are timed only where B*V <= `PEER_MAX_ELEMENTS` (B <= 8, and B = 64
-with V = 32000); `--all-peers` times them everywhere (about 20-30 more minutes).
+Duration on 2 idle CPU cores (AMD EPYC): `--quick` (B = 8 kernels; numerics at B = 1, 8;
+speculative at B = 1, K = 4) about 4 minutes; the default run about 20 (kernels 7, decode 1,
+beam 2, numerics 3, speculative 7); up to twice that when the cores are shared. The sort-based
+peers are slow at large sizes, so by default they are timed only where B*V <=
+`PEER_MAX_ELEMENTS` (B <= 8, and B = 64 with V = 32000); `--all-peers` times them everywhere
+(about 20-30 more minutes).
 
 From Python: `run_benchmarks(...)` returns every median and ratio as one dict (what `--json`
 prints) and `format_table(result)` renders it (what the README pastes); `kernel_table`,
-`decode_table`, `beam_table`, `time_round_robin` and the sort-based reference `sort_top_p_sample` /
+`decode_table`, `beam_table`, `numerics_table`, `spec_table`, `time_round_robin` and the sort-based reference `sort_top_p_sample` /
 `sort_top_p_mask` work on their own. `main(argv)` is the command line.
 """
 
@@ -580,6 +587,225 @@ def beam_table(models: Sequence[tuple[str, Callable[[], Any]]] | None = None, *,
 
 
 # ---------------------------------------------------------------------------------------------
+# Table 4: batch-invariant numerics against plain XLA.
+
+
+def numerics_row(batch: int, *, runs: int = RUNS, max_new_tokens: int = 64,
+                 loader: Callable[[bool], Any] | None = None, seed: int = 0) -> dict:
+  """Greedy decode tokens/s of the batch-invariant numerics over plain XLA, same weights.
+
+  Both modes run round-robin on their own prefill of the same prompts. Also timed: each mode's
+  first decode call (compilation included), and one invariant step at a late position (near
+  `max_len`) over one at position 32: what a longer cache costs a step.
+
+  Args:
+    batch: B.
+    runs: timed runs.
+    max_new_tokens: N.
+    loader: `loader(batch_invariant) -> Transformer` (default: the embedded model).
+    seed: seed of the prompts.
+
+  Returns:
+    A dict with `batch`, `max_new_tokens`, `runs`, `median_s` (invariant, plain),
+    `first_call_s` (invariant, plain), `step_ms` (early, late positions), `late_position`, and
+    `ratio`: `invariant_vs_plain` (tokens/s) and `late_vs_early_step`.
+  """
+  loader = loader or (lambda invariant: load_default(batch_invariant=invariant)[0])
+  greedy = SamplingParams(temperature=0.0)
+  key = jax.random.key(seed)
+  runs_by_mode, first_call, steps = {}, {}, {}
+  late = None
+  for mode, invariant in (("invariant", True), ("plain", False)):
+    model = loader(invariant)
+    prompts = _prompts(model.config.vocab_size, batch, seed)
+    width = bucket_length(max(len(p) for p in prompts))
+    if width + max_new_tokens > model.config.max_len:
+      raise ValueError(f"prompt width {width} + max_new_tokens {max_new_tokens} exceeds the "
+                       f"model's max_len {model.config.max_len}")
+    tokens, lengths = jaxdecode.right_pad(prompts, width=width)
+    graphdef, weights = nnx.split(model)
+    cache = model.config.max_len
+    logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=cache)
+    step_fn = make_step_fn(graphdef)
+
+    def run(step_fn=step_fn, state=state, logits=logits, lengths=lengths):
+      return jaxdecode.decode(step_fn, state, logits, key=key, params=greedy,
+                              max_new_tokens=max_new_tokens, positions=lengths).tokens
+
+    start = time.perf_counter()
+    jax.block_until_ready(run())
+    first_call[mode] = time.perf_counter() - start
+    runs_by_mode[mode] = run
+    if invariant:
+      late = cache - 32
+      ids = jnp.zeros((batch,), jnp.int32)
+      for name, position in (("early", 32), ("late", late)):
+        at = jnp.full((batch,), position, jnp.int32)
+        steps[name] = (lambda at=at: step_fn(state, ids, at)[0])
+  medians = _medians(time_round_robin({**runs_by_mode, **steps}, runs))
+  return {
+      "batch": batch, "max_new_tokens": max_new_tokens, "runs": runs,
+      "median_s": {k: medians[k] for k in runs_by_mode}, "first_call_s": first_call,
+      "step_ms": {k: medians[k] * 1e3 for k in steps}, "late_position": late,
+      "ratio": {"invariant_vs_plain": medians["plain"] / medians["invariant"],
+                "late_vs_early_step": medians["late"] / medians["early"]},
+  }
+
+
+def numerics_table(*, batches: Sequence[int] = BATCHES, runs: int = RUNS,
+                   max_new_tokens: int = 64, loader: Callable[[bool], Any] | None = None,
+                   progress: Callable[[str], None] | None = None) -> list[dict]:
+  """`numerics_row` for each batch size (a row that cannot run is `{"batch", "skipped"}`)."""
+  rows = []
+  for batch in batches:
+    started = time.perf_counter()
+    try:
+      row = numerics_row(batch, runs=runs, max_new_tokens=max_new_tokens, loader=loader)
+    except Exception as e:  # pylint: disable=broad-except  # a missing model skips the row
+      row = {"batch": batch, "skipped": f"{type(e).__name__}: {e}"}
+    rows.append(row)
+    if progress:
+      progress(f"numerics B={batch}: " + (f"skipped ({row['skipped']})" if "skipped" in row
+                                          else f"{time.perf_counter() - started:.0f} s"))
+  return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Table 5: speculative decoding.
+
+_NAMES = ("x", "y", "width", "height", "name", "value", "size", "color", "speed", "label",
+          "count", "parent")
+_FRESH = ("The for statement", "A list comprehension", "Exceptions are raised",
+          "The import system", "Class definitions", "Augmented assignment",
+          "The with statement", "A coroutine function")
+
+
+def spec_prompts(text: str, batch: int) -> list[str]:
+  """The speculative table's prompts: "repetitive" (accessor methods that differ by a name, so
+  earlier lines predict later ones) or "fresh" (the opening words of a docs paragraph)."""
+  if text == "fresh":
+    return [_FRESH[b % len(_FRESH)] for b in range(batch)]
+  prompts = []
+  for b in range(batch):
+    names = [_NAMES[(b + i) % len(_NAMES)] for i in range(4)]
+    body = "".join(f"    def get_{n}(self):\n        return self._{n}\n\n" for n in names[:3])
+    prompts.append("class Point:\n" + body + f"    def get_{names[3]}(self):\n")
+  return prompts
+
+
+def spec_row(model, drafts: Mapping[str, Any], *, text: str, batch: int,
+             ks: Sequence[int] = (2, 4, 8), runs: int = RUNS, max_new_tokens: int = 64,
+             seed: int = 0) -> list[dict]:
+  """Speculative over plain decode tokens/s on one prompt set, for each drafter, K and sampler.
+
+  Everything runs round-robin on one prefill (room for N + max(K) + 1 tokens): plain `decode`
+  greedy and top-p 0.9, and `speculative_decode` with each drafter ("ngram": prompt lookup; a
+  model: its greedy tokens) and K, greedy and top-p. The outputs are the same tokens (tested
+  elsewhere); only the time and the model calls differ.
+
+  Returns:
+    One dict per (drafter, sampler): `text`, `batch`, `drafter`, `sampler`, `plain_ms`, and per
+    K: `speedup[K]` (plain time / speculative time), `acceptance[K]` (accepted / drafted) and
+    `calls[K]` (multi-token model calls after the prefill; plain decode makes N - 1 steps).
+  """
+  from jaxdecode.models import ByteTokenizer  # pylint: disable=import-outside-toplevel
+  tok = ByteTokenizer()
+  ids = [tok.encode(p) for p in spec_prompts(text, batch)]
+  longest = max(len(i) for i in ids)
+  context = model.config.max_len
+  if longest + max_new_tokens > context:
+    raise ValueError(f"prompts of {longest} tokens + max_new_tokens {max_new_tokens} exceed the "
+                     f"model's max_len {context}")
+  width = bucket_length(longest)
+  width = width if width + max_new_tokens <= context else longest
+  # Verification may write up to K + 1 tokens past the last one kept: room for them, up to
+  # max_len (past it, only discarded drafts would land; their logits are NaN).
+  cache_length = min(width + max_new_tokens + max(ks) + 1, context)
+  tokens, lengths = jaxdecode.right_pad(ids, pad_id=tok.PAD, width=width)
+  graphdef, weights = nnx.split(model)
+  logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=cache_length)
+  step_fn = _bench_step_fn(graphdef)
+  key = jax.random.key(seed)
+  samplers = {"greedy": SamplingParams(temperature=0.0), "top-p": SamplingParams(top_p=TOP_P)}
+  drafters = {}
+  for name, draft in drafts.items():
+    if draft == "ngram":
+      drafters[name] = jaxdecode.NgramDrafter(tokens, lengths)
+    else:
+      d_graphdef, d_weights = nnx.split(draft)
+      _, d_state = prefill(d_graphdef, d_weights, tokens, lengths,
+                           cache_length=min(cache_length, draft.config.max_len))
+      drafters[name] = jaxdecode.ModelDrafter(d_state, _bench_step_fn(d_graphdef))
+  fns, stats = {}, {}
+  for sampler, params in samplers.items():
+    fns[f"plain/{sampler}"] = (lambda params=params: jaxdecode.decode(
+        step_fn, state, logits, key=key, params=params, max_new_tokens=max_new_tokens,
+        positions=lengths, eos_ids=[tok.EOS], pad_id=tok.PAD).tokens)
+    for name, drafter in drafters.items():
+      for k in ks:
+        def spec(params=params, drafter=drafter, k=k):
+          return jaxdecode.speculative_decode(
+              step_fn, state, logits, key=key, params=params, max_new_tokens=max_new_tokens,
+              positions=lengths, drafter=drafter, num_draft_tokens=k, eos_ids=[tok.EOS],
+              pad_id=tok.PAD)
+        out = spec()
+        stats[(name, sampler, k)] = (
+            float(jnp.sum(out.accepted)) / max(float(jnp.sum(out.drafted)), 1.0),
+            int(out.calls))
+        fns[f"{name}/{sampler}/{k}"] = lambda spec=spec: spec().tokens
+  medians = _medians(time_round_robin(fns, runs))
+  rows = []
+  for name in drafters:
+    for sampler in samplers:
+      plain = medians[f"plain/{sampler}"]
+      rows.append({
+          "text": text, "batch": batch, "drafter": name, "sampler": sampler, "runs": runs,
+          "max_new_tokens": max_new_tokens, "plain_ms": plain * 1e3,
+          "speedup": {str(k): plain / medians[f"{name}/{sampler}/{k}"] for k in ks},
+          "acceptance": {str(k): stats[(name, sampler, k)][0] for k in ks},
+          "calls": {str(k): stats[(name, sampler, k)][1] for k in ks}})
+  return rows
+
+
+_BENCH_STEP_FNS: dict = {}
+
+
+def _bench_step_fn(graphdef):
+  if graphdef not in _BENCH_STEP_FNS:
+    _BENCH_STEP_FNS[graphdef] = make_step_fn(graphdef)
+  return _BENCH_STEP_FNS[graphdef]
+
+
+def _default_draft():
+  from jaxdecode.models import load_draft  # pylint: disable=import-outside-toplevel
+  return load_draft()
+
+
+def spec_table(*, batches: Sequence[int] = (1, 8), ks: Sequence[int] = (2, 4, 8),
+               texts: Sequence[str] = ("repetitive", "fresh"), runs: int = RUNS,
+               max_new_tokens: int = 64, model_loader: Callable[[], Any] | None = None,
+               draft_loader: Callable[[], Any] | None = None,
+               progress: Callable[[str], None] | None = None) -> list[dict]:
+  """`spec_row` for each batch size and prompt set, with the n-gram drafter and the draft
+  model (default `models.load_draft()`; left out, with a note row, if it cannot load)."""
+  model = (model_loader or _default_model)()
+  drafts = {"ngram": "ngram"}
+  rows = []
+  try:
+    drafts["model"] = (draft_loader or _default_draft)()
+  except Exception as e:  # pylint: disable=broad-except  # no draft model: n-gram rows only
+    rows.append({"drafter": "model", "skipped": f"{type(e).__name__}: {e}"})
+  for batch in batches:
+    for text in texts:
+      started = time.perf_counter()
+      rows += spec_row(model, drafts, text=text, batch=batch, ks=ks, runs=runs,
+                       max_new_tokens=max_new_tokens)
+      if progress:
+        progress(f"speculative B={batch} {text}: {time.perf_counter() - started:.0f} s")
+  return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # The whole run, and its output.
 
 
@@ -606,7 +832,9 @@ def machine_info() -> dict:
 
 
 def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool = True,
-                   beam: bool | None = None, all_peers: bool = False, batches: Sequence[int] | None = None,
+                   beam: bool | None = None, numerics: bool | None = None,
+                   spec: bool | None = None, all_peers: bool = False,
+                   batches: Sequence[int] | None = None,
                    vocabs: Sequence[int] | None = None, shapes: Sequence[str] = SHAPES,
                    decode_models: Sequence[tuple[str, Callable[[], Any]]] | None = None,
                    beam_models: Sequence[tuple[str, Callable[[], Any]]] | None = None,
@@ -619,6 +847,8 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
     runs: timed runs per row (default 20, or 10 with `quick`).
     decode: include the decode table.
     beam: include the beam-search table (default: when the decode table is included).
+    numerics: include the numerics table (default: likewise).
+    spec: include the speculative-decoding table (default: likewise).
     all_peers: time the sort-based peers at every size.
     batches: the kernel table's B values (default: by `quick`).
     vocabs: the kernel table's V values (default: by `quick`).
@@ -631,9 +861,9 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
     progress: called with a line after each row.
 
   Returns:
-    `{"command", "machine", "settings", "notes", "kernel": [rows], "decode": [rows],
-    "beam": [rows]}`; the rows are those of `kernel_table`, `decode_table` and `beam_table`,
-    `settings["seconds"]` the total duration.
+    `{"command", "machine", "settings", "notes", "kernel", "decode", "beam", "numerics",
+    "speculative"}` (lists of the rows of `kernel_table`, `decode_table`, `beam_table`,
+    `numerics_table` and `spec_table`), `settings["seconds"]` the total duration.
   """
   runs = runs or (QUICK_RUNS if quick else RUNS)
   started = time.perf_counter()
@@ -662,9 +892,21 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
                     max_new_tokens=max_new_tokens or (32 if quick else 64))
     beam_rows = beam_table(beam_models, runs=runs, batch=decode_batch,
                            max_new_tokens=settings["max_new_tokens"], progress=progress)
+  numerics_rows, spec_rows = [], []
+  if decode if numerics is None else numerics:
+    settings.update(numerics_batches=[1, 8] if quick else list(BATCHES),
+                    max_new_tokens=max_new_tokens or (32 if quick else 64))
+    numerics_rows = numerics_table(batches=settings["numerics_batches"], runs=runs,
+                                   max_new_tokens=settings["max_new_tokens"], progress=progress)
+  if decode if spec is None else spec:
+    settings.update(spec_batches=[1] if quick else [1, 8], spec_ks=[4] if quick else [2, 4, 8],
+                    max_new_tokens=max_new_tokens or (32 if quick else 64))
+    spec_rows = spec_table(batches=settings["spec_batches"], ks=settings["spec_ks"], runs=runs,
+                           max_new_tokens=settings["max_new_tokens"], progress=progress)
   settings["seconds"] = time.perf_counter() - started
   return {"command": command, "machine": machine_info(), "settings": settings, "notes": notes,
-          "kernel": kernel, "decode": decode_rows, "beam": beam_rows}
+          "kernel": kernel, "decode": decode_rows, "beam": beam_rows, "numerics": numerics_rows,
+          "speculative": spec_rows}
 
 
 _WIDTH = 100  # the width of the legend lines
@@ -786,6 +1028,51 @@ def format_table(result: Mapping) -> str:
         "model tokens: the same with the B * K * N tokens beam search feeds the model (1.00 = "
         "each beam costs what a greedy row costs).", _WIDTH)
     lines.append("")
+  numerics_rows = result.get("numerics", [])
+  if numerics_rows:
+    lines += [f"Numerics: greedy decode, {s['max_new_tokens']} new tokens, embedded model, "
+              f"batch-invariant vs plain XLA (same weights)"]
+    header = (f"{'B':>3} {'inv ms':>8} {'plain ms':>8} {'inv/plain tok/s':>15} "
+              f"{'compile inv s':>13} {'plain s':>7} {'late/early step':>15}")
+    lines += [header, "-" * len(header)]
+    for row in numerics_rows:
+      if "skipped" in row:
+        lines += textwrap.wrap(f"{row['batch']:>3} skipped: {row['skipped']}", _WIDTH,
+                               subsequent_indent=" " * 4)
+        continue
+      m_s, f_s = row["median_s"], row["first_call_s"]
+      lines.append(f"{row['batch']:>3} {m_s['invariant'] * 1e3:>8.1f} {m_s['plain'] * 1e3:>8.1f} "
+                   f"{_fmt(row['ratio']['invariant_vs_plain']):>15} {f_s['invariant']:>13.1f} "
+                   f"{f_s['plain']:>7.1f} {_fmt(row['ratio']['late_vs_early_step']):>15}")
+    late = next((r["late_position"] for r in numerics_rows if "late_position" in r), None)
+    lines += textwrap.wrap(
+        "inv/plain tok/s: the batch-invariant numerics' tokens/s over plain XLA's (1.00 = free); "
+        "compile: the first decode call of each mode (compilation included); late/early step: "
+        f"one invariant step at position {late} over one at position 32.", _WIDTH)
+    lines.append("")
+  spec_rows = result.get("speculative", [])
+  if spec_rows:
+    ks = s.get("spec_ks", [])
+    lines += [f"Speculative: speculative_decode vs decode (the same tokens), embedded model, "
+              f"{s['max_new_tokens']} new tokens"]
+    header = (f"{'text':<10} {'B':>2} {'drafter':<7} {'sampler':<7} {'plain ms':>8} "
+              + " ".join(f"{'K=' + str(k) + ' x':>7} {'acc':>4}" for k in ks))
+    lines += [header, "-" * len(header)]
+    for row in spec_rows:
+      if "skipped" in row:
+        lines += textwrap.wrap(f"drafter {row['drafter']} skipped: {row['skipped']}", _WIDTH,
+                               subsequent_indent="  ")
+        continue
+      lines.append(f"{row['text']:<10} {row['batch']:>2} {row['drafter']:<7} "
+                   f"{row['sampler']:<7} {row['plain_ms']:>8.1f} "
+                   + " ".join(f"{_fmt(row['speedup'][str(k)]):>7} "
+                              f"{row['acceptance'][str(k)]:>4.0%}" for k in ks))
+    lines += textwrap.wrap(
+        "K=k x: plain decode time / speculative time with k drafts per call (higher: "
+        "speculation pays); acc: drafts accepted. repetitive: accessor methods differing by a "
+        "name; fresh: the opening words of a docs paragraph. ngram: prompt lookup; model: the "
+        "embedded draft model's greedy tokens.", _WIDTH)
+    lines.append("")
   for note in result["notes"]:
     lines += textwrap.wrap(f"note: {note}", _WIDTH, subsequent_indent="  ")
   return "\n".join(lines).strip("\n") + "\n"
@@ -810,7 +1097,7 @@ def build_parser(prog: str = "python -m jaxdecode.bench") -> argparse.ArgumentPa
   parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help=f"smaller grid (B=8, V in 32000/128256; 32 new tokens), {QUICK_RUNS} "
-                           f"runs by default: 1-3 minutes (the default run: about 14)")
+                           f"runs by default: about 4 minutes (the default run: about 20)")
   parser.add_argument("--json", action="store_true",
                       help="print one JSON object with every median (seconds) and ratio")
   parser.add_argument("--out", default=None, metavar="FILE",
@@ -821,6 +1108,10 @@ def build_parser(prog: str = "python -m jaxdecode.bench") -> argparse.ArgumentPa
                            f"least {MIN_RUNS})")
   parser.add_argument("--no-decode", action="store_true", help="skip the decode table")
   parser.add_argument("--no-beam", action="store_true", help="skip the beam-search table")
+  parser.add_argument("--no-numerics", action="store_true",
+                      help="skip the batch-invariant numerics table")
+  parser.add_argument("--no-spec", action="store_true",
+                      help="skip the speculative-decoding table")
   parser.add_argument("--all-peers", action="store_true",
                       help=f"time the sort-based peers also where B*V > {PEER_MAX_ELEMENTS} "
                            f"(20-30 minutes more)")
@@ -859,7 +1150,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jaxdecode.
     print(f"[bench] {line}", file=sys.stderr, flush=True)
 
   result = run_benchmarks(quick=args.quick, runs=args.runs, decode=not args.no_decode,
-                          beam=False if args.no_beam else None, all_peers=args.all_peers,
+                          beam=False if args.no_beam else None,
+                          numerics=False if args.no_numerics else None,
+                          spec=False if args.no_spec else None, all_peers=args.all_peers,
                           command=f"{prog} {shlex.join(argv)}".strip(), progress=progress)
   text = json.dumps(_finite(result), indent=1, sort_keys=False, allow_nan=False)
   if args.out is not None:
