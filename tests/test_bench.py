@@ -51,7 +51,8 @@ def test_kernel_rows_have_every_median_and_ratio(kernel_result):
 def test_result_is_valid_json_and_formats_as_a_table(kernel_result):
   text = json.dumps(bench._finite(kernel_result), allow_nan=False)
   back = json.loads(text)
-  assert set(back) == {"command", "machine", "settings", "notes", "kernel", "decode", "beam"}
+  assert set(back) == {"command", "machine", "settings", "notes", "kernel", "decode", "beam",
+                       "numerics", "speculative"}
   assert back["decode"] == back["beam"] == []  # decode=False skips both model tables
   assert back["settings"]["runs"] == 5 and back["settings"]["seconds"] > 0
   for field in ("platform", "cpu_count", "device_kind", "devices", "jax"):

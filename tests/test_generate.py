@@ -389,17 +389,25 @@ def test_cli_eval_prints_nats_and_bits_per_byte(tiny, capsys, tmp_path):
   assert nats == pytest.approx(expected, abs=1e-4)
 
 
-def test_embedded_default_model_loads_and_meets_its_reported_loss():
-  from jaxdecode.models import default_metadata, load_default
+def test_embedded_models_load_and_meet_their_reported_held_out_loss():
+  """The embedded main and draft models: trained on this Python's stdlib + pydoc topics with
+  whole files held out; their recorded held-out losses are re-measured here on a slice."""
+  import os  # pylint: disable=import-outside-toplevel
+  from jaxdecode.models import checkpoint, corpus  # pylint: disable=import-outside-toplevel
+  from jaxdecode.models import default_metadata, draft_metadata, load_default, load_draft
   model, tokenizer = load_default()
-  meta = default_metadata()
-  assert meta["val_loss"] <= 1.3 and meta["corpus"] == "pydoc_data.topics"
-  # Re-measure a held-out slice independently of the training run's own figure.
-  from pydoc_data import topics  # pylint: disable=import-outside-toplevel
-  stream = training.encode_documents([topics.topics[name] for name in sorted(topics.topics)])
-  _, val = training.split_stream(stream)
-  nats = training.evaluate(*nnx.split(model), val[:4096], model.config.max_len)
-  assert nats < 1.3
+  draft = load_draft()
+  assert model.config.max_len >= 512 and draft.config.vocab_size == model.config.vocab_size
+  assert os.path.getsize(checkpoint.DEFAULT_PATH) <= 8 * 2**20
+  assert os.path.getsize(checkpoint.DRAFT_PATH) <= 2**20
+  held = corpus.stdlib_corpus().parts["stdlib"][:8192]
+  for m, meta in ((model, default_metadata()), (draft, draft_metadata())):
+    assert meta["corpus"]["source"] == "python stdlib + pydoc_data.topics" and meta["finished"]
+    assert set(meta["held_out"]) == {"stdlib", "pydoc topics"}
+    nats = training.evaluate(*nnx.split(m), held, m.config.max_len)
+    assert abs(nats - meta["held_out"]["stdlib"]) < 0.25  # a slice of the same held-out files
+  assert default_metadata()["held_out"]["stdlib"] <= 1.1
+  assert default_metadata()["held_out"]["stdlib"] < draft_metadata()["held_out"]["stdlib"]
   assert tokenizer.decode(tokenizer.encode("for x in y:")) == "for x in y:"
 
 

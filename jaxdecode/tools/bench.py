@@ -927,6 +927,20 @@ _KERNEL_COLUMNS = (  # (header, ratio key) after `argmax ms`
     ("min-p", "min_p"), ("chain", "chain"), ("sort-p", SORT_PEER), ("hf-p", HF_PEER))
 
 
+def _section(title: list, header: str, rows: Sequence[Mapping], label: Callable,
+             render: Callable, legend: str) -> list:
+  """One table of the report: title, header, a line per row (`render(row, row["ratio"])`, or
+  `label(row)` and the reason for a skipped row), and the legend."""
+  lines = list(title) + [header, "-" * len(header)]
+  for row in rows:
+    if "skipped" in row:
+      lines += textwrap.wrap(f"{label(row)} skipped: {row['skipped']}", _WIDTH,
+                             subsequent_indent=" " * 4)
+    else:
+      lines.append(render(row, row.get("ratio")))
+  return lines + textwrap.wrap(legend, _WIDTH) + [""]
+
+
 def format_table(result: Mapping) -> str:
   """The human-readable report of `run_benchmarks` (what `python -m jaxdecode.bench` prints)."""
   m = result["machine"]
@@ -985,94 +999,69 @@ def format_table(result: Mapping) -> str:
         f"{CONTROL_IDS} ids each per row; allowed = allowed_token_ids, {CONTROL_ALLOWED} per "
         f"row; typical-p 0.9; epsilon 3e-4; eta 3e-4 (jaxdecode.sample at T=1).", _WIDTH)
     lines.append("")
-  decode_rows = result["decode"]
-  if decode_rows:
-    lines += [f"Decode: jaxdecode.decode, batch {s['decode_batch']}, {s['max_new_tokens']} new "
-              f"tokens per row, no EOS unless stated"]
-    header = (f"{'model':<11} {'V':>6} {'greedy ms':>9} {'greedy tok/s':>12} "
-              f"{'top-p/greedy tok/s':>18} {'first/later':>11} {'EOS-stop/full':>13}")
-    lines += [header, "-" * len(header)]
-    for row in decode_rows:
-      if "skipped" in row:
-        lines += textwrap.wrap(f"{row['model']:<11} skipped: {row['skipped']}", _WIDTH,
-                               subsequent_indent=" " * 12)
-        continue
-      r = row["ratio"]
-      lines.append(f"{row['model']:<11} {row['vocab']:>6} {row['median_s']['greedy'] * 1e3:>9.1f} "
-                   f"{row['tokens_per_s']['greedy']:>12.0f} {_fmt(r['top_p_vs_greedy']):>18} "
-                   f"{_fmt(r['first_vs_later']):>11} {_fmt(r['early_stop_vs_full']):>13}")
-    lines += textwrap.wrap(
+  if result.get("decode"):
+    lines += _section(
+        [f"Decode: jaxdecode.decode, batch {s['decode_batch']}, {s['max_new_tokens']} new "
+         f"tokens per row, no EOS unless stated"],
+        f"{'model':<11} {'V':>6} {'greedy ms':>9} {'greedy tok/s':>12} "
+        f"{'top-p/greedy tok/s':>18} {'first/later':>11} {'EOS-stop/full':>13}",
+        result["decode"], lambda row: row["model"],
+        lambda row, r: (f"{row['model']:<11} {row['vocab']:>6} "
+                        f"{row['median_s']['greedy'] * 1e3:>9.1f} "
+                        f"{row['tokens_per_s']['greedy']:>12.0f} "
+                        f"{_fmt(r['top_p_vs_greedy']):>18} {_fmt(r['first_vs_later']):>11} "
+                        f"{_fmt(r['early_stop_vs_full']):>13}"),
         "top-p/greedy: tokens/s with top-p 0.9 over tokens/s greedy; first/later: the first call "
         "(compiles) over a later one; EOS-stop/full: a greedy decode whose rows all emit EOS in "
-        "the first step(s) over the same decode without EOS.", _WIDTH)
-    lines.append("")
-  beam_rows = result.get("beam", [])
-  if beam_rows:
-    lines += [f"Beam search: jaxdecode.beam_search, K = {s['beam_size']} beams, vs greedy "
-              f"decode; batch {s['decode_batch']}, {s['max_new_tokens']} new tokens, no EOS"]
-    header = (f"{'model':<11} {'V':>6} {'greedy ms':>9} {'beam ms':>9} {'beam tok/s':>10} "
-              f"{'beam/greedy tok/s':>17} {'model tokens':>12}")
-    lines += [header, "-" * len(header)]
-    for row in beam_rows:
-      if "skipped" in row:
-        lines += textwrap.wrap(f"{row['model']:<11} skipped: {row['skipped']}", _WIDTH,
-                               subsequent_indent=" " * 12)
-        continue
-      r = row["ratio"]
-      lines.append(f"{row['model']:<11} {row['vocab']:>6} {row['median_s']['greedy'] * 1e3:>9.1f} "
-                   f"{row['median_s']['beam'] * 1e3:>9.1f} {row['tokens_per_s']['beam']:>10.0f} "
-                   f"{_fmt(r['beam_vs_greedy']):>17} "
-                   f"{_fmt(r['beam_model_tokens_vs_greedy']):>12}")
-    lines += textwrap.wrap(
+        "the first step(s) over the same decode without EOS.")
+  if result.get("beam"):
+    lines += _section(
+        [f"Beam search: jaxdecode.beam_search, K = {s['beam_size']} beams, vs greedy "
+         f"decode; batch {s['decode_batch']}, {s['max_new_tokens']} new tokens, no EOS"],
+        f"{'model':<11} {'V':>6} {'greedy ms':>9} {'beam ms':>9} {'beam tok/s':>10} "
+        f"{'beam/greedy tok/s':>17} {'model tokens':>12}",
+        result["beam"], lambda row: row["model"],
+        lambda row, r: (f"{row['model']:<11} {row['vocab']:>6} "
+                        f"{row['median_s']['greedy'] * 1e3:>9.1f} "
+                        f"{row['median_s']['beam'] * 1e3:>9.1f} "
+                        f"{row['tokens_per_s']['beam']:>10.0f} {_fmt(r['beam_vs_greedy']):>17} "
+                        f"{_fmt(r['beam_model_tokens_vs_greedy']):>12}"),
         "beam/greedy tok/s: returned tokens per second (B * N each) of beam search over greedy; "
         "model tokens: the same with the B * K * N tokens beam search feeds the model (1.00 = "
-        "each beam costs what a greedy row costs).", _WIDTH)
-    lines.append("")
-  numerics_rows = result.get("numerics", [])
-  if numerics_rows:
-    lines += [f"Numerics: greedy decode, {s['max_new_tokens']} new tokens, embedded model, "
-              f"batch-invariant vs plain XLA (same weights)"]
-    header = (f"{'B':>3} {'inv ms':>8} {'plain ms':>8} {'inv/plain tok/s':>15} "
-              f"{'compile inv s':>13} {'plain s':>7} {'late/early step':>15}")
-    lines += [header, "-" * len(header)]
-    for row in numerics_rows:
-      if "skipped" in row:
-        lines += textwrap.wrap(f"{row['batch']:>3} skipped: {row['skipped']}", _WIDTH,
-                               subsequent_indent=" " * 4)
-        continue
-      m_s, f_s = row["median_s"], row["first_call_s"]
-      lines.append(f"{row['batch']:>3} {m_s['invariant'] * 1e3:>8.1f} {m_s['plain'] * 1e3:>8.1f} "
-                   f"{_fmt(row['ratio']['invariant_vs_plain']):>15} {f_s['invariant']:>13.1f} "
-                   f"{f_s['plain']:>7.1f} {_fmt(row['ratio']['late_vs_early_step']):>15}")
-    late = next((r["late_position"] for r in numerics_rows if "late_position" in r), None)
-    lines += textwrap.wrap(
+        "each beam costs what a greedy row costs).")
+  if result.get("numerics"):
+    late = next((r["late_position"] for r in result["numerics"] if "late_position" in r), None)
+    lines += _section(
+        [f"Numerics: greedy decode, {s['max_new_tokens']} new tokens, embedded model, "
+         f"batch-invariant vs plain XLA (same weights)"],
+        f"{'B':>3} {'inv ms':>8} {'plain ms':>8} {'inv/plain tok/s':>15} "
+        f"{'compile inv s':>13} {'plain s':>7} {'late/early step':>15}",
+        result["numerics"], lambda row: f"{row['batch']:>3}",
+        lambda row, r: (f"{row['batch']:>3} {row['median_s']['invariant'] * 1e3:>8.1f} "
+                        f"{row['median_s']['plain'] * 1e3:>8.1f} "
+                        f"{_fmt(r['invariant_vs_plain']):>15} "
+                        f"{row['first_call_s']['invariant']:>13.1f} "
+                        f"{row['first_call_s']['plain']:>7.1f} "
+                        f"{_fmt(r['late_vs_early_step']):>15}"),
         "inv/plain tok/s: the batch-invariant numerics' tokens/s over plain XLA's (1.00 = free); "
         "compile: the first decode call of each mode (compilation included); late/early step: "
-        f"one invariant step at position {late} over one at position 32.", _WIDTH)
-    lines.append("")
-  spec_rows = result.get("speculative", [])
-  if spec_rows:
+        f"one invariant step at position {late} over one at position 32.")
+  if result.get("speculative"):
     ks = s.get("spec_ks", [])
-    lines += [f"Speculative: speculative_decode vs decode (the same tokens), embedded model, "
-              f"{s['max_new_tokens']} new tokens"]
-    header = (f"{'text':<10} {'B':>2} {'drafter':<7} {'sampler':<7} {'plain ms':>8} "
-              + " ".join(f"{'K=' + str(k) + ' x':>7} {'acc':>4}" for k in ks))
-    lines += [header, "-" * len(header)]
-    for row in spec_rows:
-      if "skipped" in row:
-        lines += textwrap.wrap(f"drafter {row['drafter']} skipped: {row['skipped']}", _WIDTH,
-                               subsequent_indent="  ")
-        continue
-      lines.append(f"{row['text']:<10} {row['batch']:>2} {row['drafter']:<7} "
-                   f"{row['sampler']:<7} {row['plain_ms']:>8.1f} "
-                   + " ".join(f"{_fmt(row['speedup'][str(k)]):>7} "
-                              f"{row['acceptance'][str(k)]:>4.0%}" for k in ks))
-    lines += textwrap.wrap(
+    lines += _section(
+        [f"Speculative: speculative_decode vs decode (the same tokens), embedded model, "
+         f"{s['max_new_tokens']} new tokens"],
+        f"{'text':<10} {'B':>2} {'drafter':<7} {'sampler':<7} {'plain ms':>8} "
+        + " ".join(f"{'K=' + str(k) + ' x':>7} {'acc':>4}" for k in ks),
+        result["speculative"], lambda row: f"drafter {row['drafter']}",
+        lambda row, r: (f"{row['text']:<10} {row['batch']:>2} {row['drafter']:<7} "
+                        f"{row['sampler']:<7} {row['plain_ms']:>8.1f} "
+                        + " ".join(f"{_fmt(row['speedup'][str(k)]):>7} "
+                                   f"{row['acceptance'][str(k)]:>4.0%}" for k in ks)),
         "K=k x: plain decode time / speculative time with k drafts per call (higher: "
         "speculation pays); acc: drafts accepted. repetitive: accessor methods differing by a "
         "name; fresh: the opening words of a docs paragraph. ngram: prompt lookup; model: the "
-        "embedded draft model's greedy tokens.", _WIDTH)
-    lines.append("")
+        "embedded draft model's greedy tokens.")
   for note in result["notes"]:
     lines += textwrap.wrap(f"note: {note}", _WIDTH, subsequent_indent="  ")
   return "\n".join(lines).strip("\n") + "\n"
