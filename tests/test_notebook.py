@@ -120,6 +120,14 @@ def test_reproducibility_cell_printed_true(executed):
   assert re.search(r"another key changes [1-3] of 3 texts", out)
 
 
+def test_speculative_cell_gives_the_same_tokens_with_both_drafters(executed):
+  nb, _ = executed
+  out = _text(_cell(nb, "num_draft_tokens=4"))
+  for name in ("prompt lookup", "draft model"):
+    assert re.search(rf"{name}: same tokens as plain decoding: True; \d+% of drafts accepted; "
+                     rf"\d+ model calls for 32 tokens", out)
+
+
 def test_sweep_cell_shows_the_plot_and_the_table(executed):
   nb, work = executed
   cell = _cell(nb, "run_sweep(")
