@@ -223,6 +223,9 @@ def test_main_prints_json_or_a_table(kernel_result, capsys, monkeypatch):
   assert bench.main(["--quick", "--no-beam"]) == 0
   capsys.readouterr()
   assert seen["beam"] is False and seen["decode"]
+  assert bench.main(["--quick", "--no-kernels", "--no-numerics", "--no-spec"]) == 0
+  capsys.readouterr()
+  assert not seen["kernels"] and seen["numerics"] is False and seen["spec"] is False
 
 
 def test_decode_table_skips_a_model_whose_context_is_too_short():

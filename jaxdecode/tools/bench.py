@@ -1,7 +1,8 @@
 """The benchmark suite: every figure is a ratio of two timings taken in the same process.
 
-Run it as `python -m jaxdecode.bench [--quick] [--json] [--runs N] [--no-decode] [--all-peers]`
-(or `jaxdecode bench`). The protocol (docs/architecture.md, "Benchmark protocol"):
+Run it as `python -m jaxdecode.bench [--quick] [--json] [--runs N] [--no-kernels] [--no-decode]
+[--no-beam] [--no-numerics] [--no-spec] [--all-peers]` (or `jaxdecode bench`). The protocol
+(docs/architecture.md, "Benchmark protocol"):
 
 - the functions of one table row are timed round-robin, run after run (each run starts at the
   next function, so no function always follows the same one), so that machine noise hits them
@@ -832,7 +833,8 @@ def machine_info() -> dict:
 
 
 def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool = True,
-                   beam: bool | None = None, numerics: bool | None = None,
+                   kernels: bool = True, beam: bool | None = None,
+                   numerics: bool | None = None,
                    spec: bool | None = None, all_peers: bool = False,
                    batches: Sequence[int] | None = None,
                    vocabs: Sequence[int] | None = None, shapes: Sequence[str] = SHAPES,
@@ -845,6 +847,7 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
   Args:
     quick: the smaller grid (B=8, V in {32000, 128256}; 32 new tokens) and 10 runs by default.
     runs: timed runs per row (default 20, or 10 with `quick`).
+    kernels: include the kernel (and controls) table.
     decode: include the decode table.
     beam: include the beam-search table (default: when the decode table is included).
     numerics: include the numerics table (default: likewise).
@@ -877,9 +880,11 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
       "batches": list(batches or (QUICK_BATCHES if quick else BATCHES)),
       "vocabs": list(vocabs or (QUICK_VOCABS if quick else VOCABS)), "shapes": list(shapes),
       "peer_max_elements": None if all_peers else PEER_MAX_ELEMENTS}
-  kernel = kernel_table(batches=settings["batches"], vocabs=settings["vocabs"],
-                        shapes=settings["shapes"], runs=runs,
-                        peer_max_elements=settings["peer_max_elements"], progress=progress)
+  kernel = []
+  if kernels:
+    kernel = kernel_table(batches=settings["batches"], vocabs=settings["vocabs"],
+                          shapes=settings["shapes"], runs=runs,
+                          peer_max_elements=settings["peer_max_elements"], progress=progress)
   decode_rows = []
   if decode:
     settings.update(decode_batch=decode_batch,
@@ -1095,6 +1100,8 @@ def build_parser(prog: str = "python -m jaxdecode.bench") -> argparse.ArgumentPa
   parser.add_argument("--runs", type=_runs, default=None, metavar="N",
                       help=f"timed runs per row (default {RUNS}; --quick: {QUICK_RUNS}, at "
                            f"least {MIN_RUNS})")
+  parser.add_argument("--no-kernels", action="store_true",
+                      help="skip the kernel and controls tables (the model tables only)")
   parser.add_argument("--no-decode", action="store_true", help="skip the decode table")
   parser.add_argument("--no-beam", action="store_true", help="skip the beam-search table")
   parser.add_argument("--no-numerics", action="store_true",
@@ -1138,7 +1145,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jaxdecode.
   def progress(line):
     print(f"[bench] {line}", file=sys.stderr, flush=True)
 
-  result = run_benchmarks(quick=args.quick, runs=args.runs, decode=not args.no_decode,
+  result = run_benchmarks(quick=args.quick, runs=args.runs, kernels=not args.no_kernels,
+                          decode=not args.no_decode,
                           beam=False if args.no_beam else None,
                           numerics=False if args.no_numerics else None,
                           spec=False if args.no_spec else None, all_peers=args.all_peers,
