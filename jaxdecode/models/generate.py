@@ -97,7 +97,8 @@ def batch_prefill(model: Transformer, *, extra: int, pad_id: int = ByteTokenizer
   return run
 
 
-def _step_fn(graphdef):
+def step_fn_for(graphdef):
+  """The jitted step function of a model structure, built once (so decode compiles once)."""
   if graphdef not in _STEP_FNS:
     _STEP_FNS[graphdef] = make_step_fn(graphdef)
   return _STEP_FNS[graphdef]
@@ -181,10 +182,10 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
                  positions=batch.lengths, eos_ids=[tokenizer.EOS], pad_id=tokenizer.PAD,
                  counts=batch.counts)
   if draft is None:
-    out = decode(_step_fn(batch.graphdef), batch.state, batch.logits, **options,
+    out = decode(step_fn_for(batch.graphdef), batch.state, batch.logits, **options,
                  top_logprobs=batch.top_logprobs, logprobs_mode=batch.logprobs_mode)
   else:
-    out = speculative_decode(_step_fn(batch.graphdef), batch.state, batch.logits, **options,
+    out = speculative_decode(step_fn_for(batch.graphdef), batch.state, batch.logits, **options,
                              drafter=_drafter(draft, batch), num_draft_tokens=num_draft_tokens)
     stats = dict(accepted=np.asarray(out.accepted), drafted=np.asarray(out.drafted),
                  calls=int(out.calls))
@@ -255,6 +256,7 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
     model, tokenizer = load_default()
   tokenizer = tokenizer or ByteTokenizer()
   params = SamplingParams() if params is None else params
+  _checks.instance("params", params, SamplingParams, "a jaxdecode.SamplingParams")
   _check_draft(draft, num_draft_tokens, model, beam_size)
   key = jax.random.key(seed) if key is None else key
   _checks.key(key, len(prompts))
@@ -308,7 +310,7 @@ def _drafter(draft, batch: Prepared):
                            cache_length=batch.width + batch.room)
   if batch.n > 1:
     draft_state = draft_state.replace(cache=extras.repeat_rows(draft_state.cache, batch.n))
-  return ModelDrafter(draft_state, _step_fn(draft_graphdef))
+  return ModelDrafter(draft_state, step_fn_for(draft_graphdef))
 
 
 def _check_excluded(beam_size, draft, n, stop, top_logprobs, logprobs_mode) -> None:
@@ -353,7 +355,7 @@ def _beam_generation(graphdef, state, logits, lengths, counts, started, tokenize
                      prompt_logprobs=None) -> Generation:
   """`generate` with beam search, from the prefill on: the best beam in the main fields, the
   `num_return` best in `beams` and `scores`."""
-  out = beam_search(_step_fn(graphdef), state, logits, beam_size=beam_size,
+  out = beam_search(step_fn_for(graphdef), state, logits, beam_size=beam_size,
                     num_return=num_return, max_new_tokens=max_new_tokens, positions=lengths,
                     eos_ids=[tokenizer.EOS], pad_id=tokenizer.PAD, length_penalty=length_penalty,
                     params=params, counts=counts, state_axes=DECODE_STATE_AXES)
