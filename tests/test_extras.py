@@ -292,3 +292,61 @@ def test_stream_compiles_one_chunk_program(model):
   # static: [B] = 2 compiles once, like decode.
   list(stream(["again", "y"], model=model, seed=9, max_new_tokens=20, chunk_size=4))
   assert chunk_fn._cache_size() == compiled + 1  # pylint: disable=protected-access
+
+
+# ---------------------------------------------------------------------------------------------
+# The command.
+
+
+@pytest.fixture(scope="module")
+def tiny_path(model, tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("ckpt") / "tiny.msgpack")
+  jaxdecode.models.save_checkpoint(path, CONFIG, nnx.split(model)[1])
+  return path
+
+
+def run_cli(capsys, *argv):
+  from jaxdecode.tools import cli  # pylint: disable=import-outside-toplevel
+  code = cli.main(list(argv))
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+@pytest.mark.slow
+def test_cli_streams_the_same_text_and_prints_json_and_tables(tiny_path, capsys):
+  args = ["generate", "ab", "cd", "--model", tiny_path, "--max-new-tokens", "10", "-n", "2",
+          "--stop", "e", "--stop", "zz", "--seed", "4"]
+  code, streamed, _ = run_cli(capsys, *args, "--stream")
+  assert code == 0
+  code, whole, _ = run_cli(capsys, *args, "--no-stream")
+  assert code == 0
+  body = lambda s: s.split("\n--- temperature")[0]
+  assert body(streamed) == body(whole) and "--- [2] 'cd' sample 2/2" in whole
+  assert "n=2 stop=['e', 'zz'] seed=4" in whole
+  code, text, _ = run_cli(capsys, *args, "--json", "--top-logprobs", "3")
+  assert code == 0
+  import json  # pylint: disable=import-outside-toplevel
+  report = json.loads(text)
+  out = generate(["ab", "cd"], model=jaxdecode.models.load_checkpoint(tiny_path)[0],
+                 params=jaxdecode.SamplingParams(0.8, top_p=0.95), seed=4, max_new_tokens=10,
+                 n=2, stop=["e", "zz"], top_logprobs=3)
+  assert [r["text"] for r in report["rows"]] == out.texts
+  assert [(r["prompt"], r["sample"]) for r in report["rows"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+  assert report["rows"][3]["tokens"] == out.tokens[3, :out.lengths[3]].tolist()
+  assert report["rows"][0]["top"][0]["tokens"] == out.top_tokens[0, 0].tolist()
+  assert report["settings"]["stop"] == ["e", "zz"] and report["settings"]["n"] == 2
+  code, table, _ = run_cli(capsys, "generate", "ab", "--model", tiny_path, "--greedy",
+                           "--max-new-tokens", "2", "--top-logprobs", "2", "--logprobs-mode",
+                           "raw")
+  assert code == 0 and "step  token     logprob   top 2" in table
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["-n", "0"], "argument -n: expected a positive integer"),
+    (["--top-logprobs", "21"], "top_logprobs must be an integer in [1, 20]"),
+    (["--stop", ""], "stop[0] must be a non-empty string"),
+    (["--logprobs-mode", "x"], "invalid choice"),
+])
+def test_cli_bad_flags_are_one_line_errors(tiny_path, capsys, flags, message):
+  code, _, err = run_cli(capsys, "generate", "ab", "--model", tiny_path, *flags)
+  assert code == 2 and message in err and len(err.strip().splitlines()) == 1
