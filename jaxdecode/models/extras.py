@@ -42,7 +42,7 @@ class RowText:
     >>> row.feed([104, 101, 108]); row.release()  # "hel": "l" might start "lo"
     'he'
     >>> row.feed([108, 111, 33]); row.stopped, row.tokens, row.release()
-    (True, 5, 'lel')
+    (True, 5, 'l')
   """
 
   def __init__(self, stop: Sequence[str] = (), include_stop: bool = False):
