@@ -232,3 +232,37 @@ def one_of(name: str, value, allowed: Sequence[Any]):
   if value not in allowed:
     raise ValueError(f"{name} must be one of {list(allowed)}; got {value!r}")
   return value
+
+
+LOGPROBS_MODES = ("processed", "raw")
+MAX_TOP_LOGPROBS = 20
+
+
+def top_logprobs(value) -> int:
+  """0 (no lists; None too) or an integer in [1, 20]: how many most likely tokens to list."""
+  if value is None:
+    return 0
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or not (
+      value == 0 or 1 <= value <= MAX_TOP_LOGPROBS):
+    raise ValueError(f"top_logprobs must be an integer in [1, {MAX_TOP_LOGPROBS}] (0 or None: "
+                     f"no lists); got {value!r}")
+  return int(value)
+
+
+def logprobs_mode(value) -> str:
+  """"processed" or "raw"."""
+  return one_of("logprobs_mode", value, LOGPROBS_MODES)
+
+
+def stop_strings(value) -> tuple[str, ...]:
+  """None, one string or a list of non-empty strings, as a tuple (empty: no stop strings)."""
+  if value is None:
+    return ()
+  items = [value] if isinstance(value, str) else value
+  if not isinstance(items, (Sequence, np.ndarray)):
+    raise ValueError(f"stop must be a string or a list of strings; got {value!r:.80}")
+  for i, item in enumerate(items):
+    if not isinstance(item, str) or not item:
+      raise ValueError(f"stop[{i}] must be a non-empty string; got {item!r:.80} (an empty stop "
+                       f"string would end every row at once)")
+  return tuple(items)

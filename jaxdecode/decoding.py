@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxdecode import _checks
 from jaxdecode import loop
@@ -33,6 +34,11 @@ class DecodeOutput:
     finished: bool[B] True where the row emitted an EOS id.
     state: the model state after the last `step_fn` call (it has seen every new token except
       the last, which is `tokens[:, -1]`; feed it to continue).
+    top_tokens: with `top_logprobs=K`, int32[B, N, K]: at each step the K most likely tokens,
+      best first (ties to the lower id), in `logprobs_mode`'s distribution; `pad_id` after a
+      row's end. None otherwise.
+    top_logprobs: with `top_logprobs=K`, float32[B, N, K], their log-probabilities (-inf for
+      tokens the processors removed, 0 after a row's end); None otherwise.
   """
 
   tokens: jax.Array
@@ -40,6 +46,22 @@ class DecodeOutput:
   lengths: jax.Array
   finished: jax.Array
   state: Any
+  # Keyword-only, so that subclasses (`SpeculativeOutput`) can add fields without defaults.
+  top_tokens: Any = dataclasses.field(default=None, kw_only=True)
+  top_logprobs: Any = dataclasses.field(default=None, kw_only=True)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TopState:
+  """The top-K lists so far, carried beside the `LoopState` (B rows, N steps, K entries).
+
+  Attributes:
+    tokens: int32[B, N, K], pad_id where nothing was recorded.
+    logprobs: float32[B, N, K], 0 where nothing was recorded.
+  """
+  tokens: jax.Array
+  logprobs: jax.Array
 
 
 def check_step_output(out, state, shape: tuple) -> None:
@@ -79,34 +101,118 @@ def first_step(spec: loop.LoopSpec, model_state, logits, counts, max_new_tokens:
   return loop.record(spec, s, token, logprob)
 
 
+def score(logits, processed, token, logprob, *, top_logprobs: int, logprobs_mode: str):
+  """The chosen tokens' log-probabilities in `logprobs_mode` and the top-K lists.
+
+  Args:
+    logits: [B, V] the model's logits of this step (what "raw" scores).
+    processed: float32[B, V] the processed logits the tokens were drawn from ("processed").
+    token, logprob: the drawn tokens and their processed log-probabilities (`loop.draw`).
+    top_logprobs: K (static), 0 for no lists.
+    logprobs_mode: "processed" or "raw" (static).
+
+  Returns:
+    `(logprob float32[B], top_ids int32[B, K], top_values float32[B, K])`, best first; the
+    processed log-probability of a drawn token is bitwise its entry of the list.
+  """
+  base = processed if logprobs_mode == "processed" else processors.prepare(logits)
+  logp = sampling.log_softmax(base)
+  if logprobs_mode == "raw":
+    logprob = jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0]
+  values, ids = lax.top_k(logp, top_logprobs)  # ties: the lower id first
+  return logprob, ids.astype(jnp.int32), values
+
+
+def _record_top(s: loop.LoopState, top: TopState, ids, values) -> TopState:
+  """Writes each live row's list at its column `lengths[b]` (as `loop.record` does the token)."""
+  rows = jnp.arange(ids.shape[0])
+  column = jnp.where(s.live, s.lengths, s.tokens.shape[1])  # N: dropped
+  return TopState(tokens=top.tokens.at[rows, column].set(ids, mode="drop"),
+                  logprobs=top.logprobs.at[rows, column].set(values, mode="drop"))
+
+
+def draw_and_record(spec: loop.LoopSpec, s: loop.LoopState, top: TopState | None, logits, step,
+                    *, top_logprobs: int = 0, logprobs_mode: str = "processed"):
+  """One step of `decode` after the model call: draw, score, record. Returns `(s, top)`.
+
+  With the defaults (no lists, processed log-probabilities) this is `loop.draw` then
+  `loop.record`, exactly; `top` is None then.
+  """
+  if top_logprobs == 0 and logprobs_mode == "processed":
+    token, logprob = loop.draw(spec, s, logits, step)
+    return loop.record(spec, s, token, logprob), top
+  token, logprob, processed = loop.draw_processed(spec, s, logits, step)
+  logprob, ids, values = score(logits, processed, token, logprob, top_logprobs=top_logprobs,
+                               logprobs_mode=logprobs_mode)
+  if top is not None:
+    top = _record_top(s, top, ids, values)
+  return loop.record(spec, s, token, logprob), top
+
+
+def start(spec: loop.LoopSpec, model_state, logits, counts, max_new_tokens: int, *,
+          top_logprobs: int = 0, logprobs_mode: str = "processed"):
+  """The loop's carry `(LoopState, TopState | None)` after step 0, drawn from the prefill's
+  logits (no model call); `first_step` with the options of `decode`."""
+  s = loop.init_state(spec, model_state, counts, max_new_tokens)
+  top = None
+  if top_logprobs:
+    batch = logits.shape[0]
+    top = TopState(tokens=jnp.full((batch, max_new_tokens, top_logprobs), spec.pad_id,
+                                   jnp.int32),
+                   logprobs=jnp.zeros((batch, max_new_tokens, top_logprobs), jnp.float32))
+  return draw_and_record(spec, s, top, logits, jnp.zeros(logits.shape[:1], jnp.int32),
+                         top_logprobs=top_logprobs, logprobs_mode=logprobs_mode)
+
+
+def make_advance(step_fn, spec: loop.LoopSpec, *, top_logprobs: int = 0,
+                 logprobs_mode: str = "processed"):
+  """`advance((s, top), t) -> (s, top)`: step t >= 1 of `decode`, feed token t - 1, draw
+  token t (shared by `decode` and `jaxdecode.models.stream`)."""
+
+  def advance(carry, t):
+    s, top = carry
+    logits, model_state = step_fn(s.model_state, s.last, spec.positions + t - 1)
+    s = s.replace(model_state=model_state)
+    return draw_and_record(spec, s, top, logits, jnp.full(s.last.shape, t, jnp.int32),
+                           top_logprobs=top_logprobs, logprobs_mode=logprobs_mode)
+
+  return advance
+
+
+def output(carry) -> DecodeOutput:
+  """The `DecodeOutput` of a loop carry `(LoopState, TopState | None)`."""
+  s, top = carry
+  return DecodeOutput(s.tokens, s.logprobs, s.lengths, s.finished, s.model_state,
+                      top_tokens=None if top is None else top.tokens,
+                      top_logprobs=None if top is None else top.logprobs)
+
+
 def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, counts,
-            logits_processors, *, max_new_tokens: int, chunk_size: int):
+            logits_processors, *, max_new_tokens: int, chunk_size: int, top_logprobs: int = 0,
+            logprobs_mode: str = "processed"):
   batch, vocab = logits.shape
   spec = make_spec(key, params, positions, eos_ids, pad_id, logits_processors, batch=batch,
                    vocab=vocab)
   check_step_output(jax.eval_shape(step_fn, state, jnp.zeros(batch, jnp.int32), positions),
                     state, (batch, vocab))
   loop.check_processors(spec, batch, vocab, max_new_tokens)
-
-  def advance(s: loop.LoopState, t) -> loop.LoopState:
-    """Step t >= 1: feed token t - 1, draw token t."""
-    logits, model_state = step_fn(s.model_state, s.last, positions + t - 1)
-    s = s.replace(model_state=model_state)
-    token, logprob = loop.draw(spec, s, logits, jnp.full((batch,), t, jnp.int32))
-    return loop.record(spec, s, token, logprob)
-
-  s = first_step(spec, state, logits, counts, max_new_tokens)
-  s = loop.run_chunks(advance, s, first=1, rounds=max_new_tokens - 1, chunk=chunk_size)
-  return DecodeOutput(s.tokens, s.logprobs, s.lengths, s.finished, s.model_state)
+  options = dict(top_logprobs=top_logprobs, logprobs_mode=logprobs_mode)
+  carry = start(spec, state, logits, counts, max_new_tokens, **options)
+  carry = loop.run_chunks(make_advance(step_fn, spec, **options), carry, first=1,
+                          rounds=max_new_tokens - 1, chunk=chunk_size,
+                          done=lambda c: loop.all_done(c[0]))
+  return output(carry)
 
 
-_decode_jit = jax.jit(_decode, static_argnames=("step_fn", "max_new_tokens", "chunk_size"))
+_decode_jit = jax.jit(_decode, static_argnames=("step_fn", "max_new_tokens", "chunk_size",
+                                                "top_logprobs", "logprobs_mode"))
 
 
 def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: SamplingParams,
            max_new_tokens: int, positions: jax.Array, eos_ids: Sequence[int] = (),
            pad_id: int = 0, counts=None, chunk_size: int = 16,
-           logits_processors: Sequence[Callable] | None = None) -> DecodeOutput:
+           logits_processors: Sequence[Callable] | None = None, top_logprobs: int = 0,
+           logprobs_mode: str = "processed") -> DecodeOutput:
   """Generates up to `max_new_tokens` tokens per row with `lax.scan` over a model step function.
 
   Args:
@@ -141,6 +247,13 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
       they need as `jax.tree_util.Partial(fn, arrays...)`: the arrays are then traced, and new
       values never recompile (a plain function is static). Greedy rows take the argmax after
       them; NaN they return counts as -inf.
+    top_logprobs: K in 1..20 (static) to also return, per step, the K most likely tokens and
+      their log-probabilities (`DecodeOutput.top_tokens`, `.top_logprobs`); 0 (the default)
+      computes no lists and leaves the program as it was.
+    logprobs_mode: which distribution `logprobs` and the lists score (static): "processed"
+      (the default; the distribution the token was drawn from, after every processor and the
+      temperature; removed tokens at -inf; 0 for greedy rows) or "raw" (the log-softmax of
+      the logits `step_fn` returned, before any processing).
 
   Returns:
     A `DecodeOutput`. Every traced input (state, logits, key, params, positions, eos_ids,
@@ -164,6 +277,8 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
     raise ValueError(f"step_fn must be callable; got {type(step_fn).__name__}")
   max_new_tokens = _checks.integer("max_new_tokens", max_new_tokens, low=1)
   chunk_size = _checks.integer("chunk_size", chunk_size, low=1)
+  top_logprobs = _checks.top_logprobs(top_logprobs)
+  logprobs_mode = _checks.logprobs_mode(logprobs_mode)
   params, counts = processors.check_call(logits, params, counts, caller="decode", loop=True)
   _checks.key(key, batch)
   # Token counts for the penalties, always carried (zeros by default) so that neither turning a
@@ -175,4 +290,5 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
   return _decode_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad, counts,
                      loop.as_processors(logits_processors), max_new_tokens=max_new_tokens,
-                     chunk_size=chunk_size)
+                     chunk_size=chunk_size, top_logprobs=top_logprobs,
+                     logprobs_mode=logprobs_mode)

@@ -152,8 +152,16 @@ def draw(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array):
   `process`, then one inverse-CDF draw with key `fold_in(row_key, step)`. Rows that are not live
   get a token too; `record` ignores it.
   """
+  return draw_processed(spec, state, logits, step)[:2]
+
+
+def draw_processed(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array):
+  """`draw`, also returning the processed logits it drew from: `(tokens, logprobs, processed
+  float32[B, V])` (for the log-probability lists of `decode(top_logprobs=...)`)."""
+  processed = process(spec, state, logits, step)
   keys = jax.vmap(jax.random.fold_in)(spec.row_keys, step)
-  return sampling.draw(keys, process(spec, state, logits, step))
+  token, logprob = sampling.draw(keys, processed)
+  return token, logprob, processed
 
 
 def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Array,

@@ -87,6 +87,19 @@ def inverse_cdf(x: jax.Array, u: jax.Array):
   return token, logprob
 
 
+def log_softmax(x: jax.Array) -> jax.Array:
+  """float32[B, V] log-probabilities of softmax(x), computed like `inverse_cdf`'s (the same
+  batch-invariant sum), so a drawn token's entry is bitwise the log-probability `inverse_cdf`
+  returns for it. -inf entries stay -inf; a row with nothing selectable is all NaN.
+
+  Args:
+    x: float32[B, V] logits without NaN (-inf for removed tokens).
+  """
+  e, m = threshold.unnormalized_probs(x)
+  total = _reduce.tree_sum(_reduce.lane_sums(e))  # [B], inverse_cdf's row sum
+  return jnp.where(total[:, None] > 0, x - m - jnp.log(total)[:, None], jnp.nan)
+
+
 def draw(keys: jax.Array, processed: jax.Array):
   """One token per row from processed float32 logits `[B, V]`, one uniform per row from its key.
 

@@ -6,9 +6,10 @@ import pytest
 
 import jaxdecode
 from jaxdecode import _checks, beam, decoding, params, processors, prompts, sampling
-from jaxdecode.models import tokenizer, transformer
+from jaxdecode.models import extras, tokenizer, transformer
 
-MODULES = [_checks, beam, decoding, params, processors, prompts, sampling, tokenizer, transformer]
+MODULES = [_checks, beam, decoding, extras, params, processors, prompts, sampling, tokenizer,
+           transformer]
 
 
 @pytest.mark.slow

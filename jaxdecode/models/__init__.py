@@ -1,5 +1,5 @@
 """The embedded model: a small Flax NNX transformer with a KV cache, its byte tokenizer,
-checkpoints, `generate`, training, and the model-based metrics.
+checkpoints, `generate` and `stream`, training, and the model-based metrics.
 
 This layer builds on the core (`jaxdecode`) and never the other way round.
 """
@@ -14,6 +14,8 @@ from jaxdecode.models.generate import Generation
 from jaxdecode.models.generate import batch_prefill
 from jaxdecode.models.generate import generate
 from jaxdecode.models.metrics import teacher_forced_logits
+from jaxdecode.models.stream import StreamChunk
+from jaxdecode.models.stream import stream
 from jaxdecode.models.tokenizer import ByteTokenizer
 from jaxdecode.models.transformer import DECODE_STATE_AXES
 from jaxdecode.models.transformer import DecodeState
@@ -45,5 +47,7 @@ __all__ = [
     "make_step_fn",
     "prefill",
     "save_checkpoint",
+    "stream",
+    "StreamChunk",
     "teacher_forced_logits",
 ]

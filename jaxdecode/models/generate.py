@@ -14,6 +14,7 @@ from flax import nnx
 from jaxdecode import _checks
 from jaxdecode.beam import beam_search
 from jaxdecode.decoding import decode
+from jaxdecode.models import extras
 from jaxdecode.models.checkpoint import load_default
 from jaxdecode.models.tokenizer import ByteTokenizer
 from jaxdecode.models.transformer import DECODE_STATE_AXES, Transformer, make_step_fn, prefill
@@ -29,12 +30,16 @@ _STEP_FNS: dict = {}  # one jitted step function per model structure, so decode 
 class Generation:
   """What `generate` returns.
 
+  B is the number of rows: prompts · n, prompt-major (row b·n + i is sample i of prompt b).
+
   Attributes:
-    texts: the continuation of each prompt (without the prompt and without EOS).
-    tokens: int32[B, N] the new tokens (`PAD` after EOS).
-    logprobs: float32[B, N] each token's log-probability under its processed distribution.
-    lengths: int32[B] new tokens per row, including the EOS if any.
-    finished: bool[B] whether the row ended with EOS.
+    texts: the continuation of each row (without the prompt, EOS and, unless `include_stop`,
+      the stop string).
+    tokens: int32[B, N] the new tokens (`PAD` after EOS or after a stop string's last token).
+    logprobs: float32[B, N] each token's log-probability in `logprobs_mode` (by default under
+      its processed distribution); 0 after the row's end.
+    lengths: int32[B] new tokens per row, including the EOS or the stop string's tokens.
+    finished: bool[B] whether the row ended with EOS or a stop string.
     seconds: wall-clock time of the whole call (the first call includes compilation).
     beams: with `beam_size`, the `num_return` best continuations of each prompt, best first
       (`texts` and the arrays above hold the best one); None otherwise.
@@ -42,6 +47,13 @@ class Generation:
     accepted, drafted: with `draft`, int32[B] drafts accepted and proposed per row; None
       otherwise.
     calls: with `draft`, the multi-token model calls made (one per round); None otherwise.
+    top_tokens: with `top_logprobs=K`, int32[B, N, K] the K most likely tokens of each step,
+      best first (PAD after the row's end); None otherwise.
+    top_logprobs: with `top_logprobs=K`, float32[B, N, K] their log-probabilities in
+      `logprobs_mode` (-inf for removed tokens in "processed"); None otherwise.
+    prompt_logprobs: with `prompt_logprobs=True`, one float32 array per prompt (not per
+      sample): the log-probability of each prompt byte given the text before it (BOS has
+      none), under the model's own distribution; None otherwise.
   """
 
   texts: list
@@ -55,6 +67,9 @@ class Generation:
   accepted: np.ndarray | None = None
   drafted: np.ndarray | None = None
   calls: int | None = None
+  top_tokens: np.ndarray | None = None
+  top_logprobs: np.ndarray | None = None
+  prompt_logprobs: list | None = None
 
   @property
   def tokens_per_second(self) -> float:
@@ -82,7 +97,8 @@ def batch_prefill(model: Transformer, *, extra: int, pad_id: int = ByteTokenizer
   return run
 
 
-def _step_fn(graphdef):
+def step_fn_for(graphdef):
+  """The jitted step function of a model structure, built once (so decode compiles once)."""
   if graphdef not in _STEP_FNS:
     _STEP_FNS[graphdef] = make_step_fn(graphdef)
   return _STEP_FNS[graphdef]
@@ -93,7 +109,9 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
              max_new_tokens: int = 128, tokenizer: ByteTokenizer | None = None,
              penalize_prompt: bool = False, beam_size: int | None = None,
              num_return: int | None = None, length_penalty: float = 1.0, draft=None,
-             num_draft_tokens: int = 4) -> Generation:
+             num_draft_tokens: int = 4, stop=None, include_stop: bool = False, n: int = 1,
+             top_logprobs: int = 0, logprobs_mode: str = "processed",
+             prompt_logprobs: bool = False) -> Generation:
   """Continues each text prompt; all prompts run as one batch.
 
   Args:
@@ -118,22 +136,130 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
       bit for bit the output without a draft, for every `params` and key; only the number of
       model calls (and the time) changes. Not with `beam_size`.
     num_draft_tokens: with `draft`, the tokens drafted and verified per model call (1..16).
+    stop: a string or a list of non-empty strings: a row ends at the first occurrence of any
+      of them in its new text (the earliest-ending one), its later tokens become PAD and it
+      counts as finished. The cut is made on the decoded text after the loop: the model still
+      computes the row's tokens up to EOS or `max_new_tokens` (`stream` stops early instead,
+      once every row has ended).
+    include_stop: whether the text keeps the stop string (by default it ends before it; the
+      stop string's tokens are kept in `tokens` either way).
+    n: samples per prompt (>= 1). Rows are prompt-major; with n > 1, sample i of prompt b is
+      drawn with row key `fold_in(row_key_b, i)` (row_key_b = `fold_in(key, b)`, or `key[b]`
+      for one key per prompt), so it equals a separate call with that key. Each prompt is
+      prefilled once and its cache copied. Not with `beam_size`.
+    top_logprobs: K in 1..20 for the K most likely tokens of each step and their
+      log-probabilities (`top_tokens`, `top_logprobs`); 0 for none. Not with `beam_size` or
+      `draft`.
+    logprobs_mode: "processed" (the distribution each token was drawn from) or "raw" (the
+      model's own log-softmax); applies to `logprobs` and the top lists. "raw" not with
+      `beam_size` or `draft`.
+    prompt_logprobs: whether to return each prompt token's log-probability under the model
+      (`Generation.prompt_logprobs`), computed in the prefill pass.
 
   Returns:
     A `Generation`. The same key, prompts and params give the same texts (with or without a
     draft).
 
   Raises:
-    ValueError: for an empty prompt list or prompt, or a prompt that with `max_new_tokens`
-      does not fit the model's context (`config.max_len`).
+    ValueError: for an empty prompt list or prompt, a prompt that with `max_new_tokens` does
+      not fit the model's context (`config.max_len`), n < 1, top_logprobs outside 1..20, an
+      empty stop string, an unknown logprobs_mode, or options that exclude each other.
   """
+  batch = prepare(prompts, model=model, params=params, seed=seed, key=key,
+                  max_new_tokens=max_new_tokens, tokenizer=tokenizer,
+                  penalize_prompt=penalize_prompt, beam_size=beam_size, draft=draft,
+                  num_draft_tokens=num_draft_tokens, stop=stop, include_stop=include_stop, n=n,
+                  top_logprobs=top_logprobs, logprobs_mode=logprobs_mode,
+                  prompt_logprobs=prompt_logprobs)
+  tokenizer = batch.tokenizer
+  if beam_size is not None:
+    return _beam_generation(batch.graphdef, batch.state, batch.logits, batch.lengths,
+                            batch.counts, batch.started, tokenizer, batch.params, max_new_tokens,
+                            beam_size, num_return, length_penalty,
+                            prompt_logprobs=batch.prompt_logprobs)
+  stats = {}
+  options = dict(key=batch.key, params=batch.params, max_new_tokens=max_new_tokens,
+                 positions=batch.lengths, eos_ids=[tokenizer.EOS], pad_id=tokenizer.PAD,
+                 counts=batch.counts)
+  if draft is None:
+    out = decode(step_fn_for(batch.graphdef), batch.state, batch.logits, **options,
+                 top_logprobs=batch.top_logprobs, logprobs_mode=batch.logprobs_mode)
+  else:
+    out = speculative_decode(step_fn_for(batch.graphdef), batch.state, batch.logits, **options,
+                             drafter=_drafter(draft, batch), num_draft_tokens=num_draft_tokens)
+    stats = dict(accepted=np.asarray(out.accepted), drafted=np.asarray(out.drafted),
+                 calls=int(out.calls))
+  new_tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
+  out_lengths, finished = np.asarray(out.lengths), np.asarray(out.finished)
+  tops = (None, None) if out.top_tokens is None else (np.asarray(out.top_tokens),
+                                                      np.asarray(out.top_logprobs))
+  if batch.stop:
+    texts, out_lengths, stopped, keep = extras.cut_at_stops(new_tokens, out_lengths, batch.stop,
+                                                            batch.include_stop)
+    new_tokens = np.where(keep, new_tokens, tokenizer.PAD)
+    logprobs = np.where(keep, logprobs, 0.0).astype(np.float32)
+    finished = finished | stopped
+    if tops[0] is not None:
+      tops = (np.where(keep[..., None], tops[0], tokenizer.PAD),
+              np.where(keep[..., None], tops[1], 0.0).astype(np.float32))
+  else:
+    texts = [tokenizer.decode(row[:k]) for row, k in zip(new_tokens, out_lengths)]
+  seconds = time.perf_counter() - batch.started
+  return Generation(texts, new_tokens, logprobs, out_lengths, finished, seconds, **stats,
+                    top_tokens=tops[0], top_logprobs=tops[1],
+                    prompt_logprobs=batch.prompt_logprobs)
+
+
+@dataclasses.dataclass
+class Prepared:
+  """A checked request after the prefill: what `generate` and `stream` decode from.
+
+  Rows are prompts · n, prompt-major; `state`, `logits`, `lengths` and `counts` are per row
+  (each prompt's prefill copied n times), `key` holds one typed key per row when n > 1.
+  """
+  tokenizer: ByteTokenizer
+  graphdef: nnx.GraphDef
+  ids: list
+  tokens: jax.Array
+  lengths: jax.Array
+  width: int
+  room: int
+  logits: jax.Array
+  state: object
+  key: jax.Array
+  params: SamplingParams
+  counts: jax.Array | None
+  started: float
+  n: int
+  stop: tuple
+  include_stop: bool
+  top_logprobs: int
+  logprobs_mode: str
+  prompt_logprobs: list | None
+
+
+def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, penalize_prompt,
+            beam_size, draft, num_draft_tokens, stop, include_stop, n, top_logprobs,
+            logprobs_mode, prompt_logprobs) -> Prepared:
+  """Checks `generate`'s arguments (all of them, before anything compiles), prefills each
+  prompt once and copies its rows n times. Returns a `Prepared`."""
   prompts = _checks.text_prompts(prompts)
   max_new_tokens = _checks.integer("max_new_tokens", max_new_tokens, low=1)
+  n = _checks.integer("n", n, low=1)
+  stop = _checks.stop_strings(stop)
+  include_stop = _checks.boolean("include_stop", include_stop)
+  top_logprobs = _checks.top_logprobs(top_logprobs)
+  logprobs_mode = _checks.logprobs_mode(logprobs_mode)
+  prompt_logprobs = _checks.boolean("prompt_logprobs", prompt_logprobs)
+  _check_excluded(beam_size, draft, n, stop, top_logprobs, logprobs_mode)
   if model is None:
     model, tokenizer = load_default()
   tokenizer = tokenizer or ByteTokenizer()
   params = SamplingParams() if params is None else params
+  _checks.instance("params", params, SamplingParams, "a jaxdecode.SamplingParams")
   _check_draft(draft, num_draft_tokens, model, beam_size)
+  key = jax.random.key(seed) if key is None else key
+  _checks.key(key, len(prompts))
 
   context = model.config.max_len
   ids = [tokenizer.encode(p) for p in prompts]
@@ -149,48 +275,65 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
   tokens, lengths = right_pad(ids, pad_id=tokenizer.PAD, width=width)
   graphdef, weights = nnx.split(model)
   # A verification call writes K + 1 tokens; slots past the last one decode needs only ever
-  # hold drafts that are thrown away (and positions past max_len give NaN logits, unused).
-  # (up to max_len: past it only discarded drafts would land).
+  # hold drafts that are thrown away: room for them up to max_len (past it, only discarded
+  # drafts would land, with NaN logits).
   room = max_new_tokens + (num_draft_tokens + 1 if draft is not None else 0)
   cache_length = min(width + room, context)
-  logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=cache_length)
-  key = jax.random.key(seed) if key is None else key
+  prompt_lp = None
+  if prompt_logprobs:
+    logits, state, lp = extras.prefill_with_logprobs(graphdef, weights, tokens, lengths,
+                                                     cache_length=cache_length)
+    lp = np.asarray(lp)
+    prompt_lp = [lp[b, :len(i) - 1] for b, i in enumerate(ids)]
+  else:
+    logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=cache_length)
   counts = None
   if penalize_prompt:
     real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]  # right padding
     counts = token_counts(tokens, model.config.vocab_size, mask=real)
+  if n > 1:
+    params.broadcast(len(prompts), model.config.vocab_size)  # one value per prompt, checked
+    params = params.rows(np.repeat(np.arange(len(prompts)), n))
+    key = extras.sample_keys(key, len(prompts), n)
+    state = state.replace(cache=extras.repeat_rows(state.cache, n))
+    logits, tokens, lengths, counts = extras.repeat_rows((logits, tokens, lengths, counts), n)
+  return Prepared(tokenizer, graphdef, ids, tokens, lengths, width, room, logits, state, key,
+                  params, counts, started, n, stop, include_stop, top_logprobs, logprobs_mode,
+                  prompt_lp)
+
+
+def _drafter(draft, batch: Prepared):
+  """The drafter of `speculative_decode` for `draft` ("ngram" or a model), over the rows."""
+  if isinstance(draft, str):
+    return NgramDrafter(batch.tokens, batch.lengths)
+  if draft.config.max_len < batch.width:
+    raise ValueError(f"the draft model's context ({draft.config.max_len} tokens) is shorter "
+                     f"than the prompts ({batch.width} tokens, padded); use a draft with a "
+                     f"longer max_len or draft='ngram'")
+  draft_graphdef, draft_weights = nnx.split(draft)
+  tokens, lengths = right_pad(batch.ids, pad_id=batch.tokenizer.PAD, width=batch.width)
+  _, draft_state = prefill(draft_graphdef, draft_weights, tokens, lengths,
+                           cache_length=min(batch.width + batch.room, draft.config.max_len))
+  if batch.n > 1:
+    draft_state = draft_state.replace(cache=extras.repeat_rows(draft_state.cache, batch.n))
+  return ModelDrafter(draft_state, step_fn_for(draft_graphdef))
+
+
+def _check_excluded(beam_size, draft, n, stop, top_logprobs, logprobs_mode) -> None:
+  """ValueError for options that do not go together."""
   if beam_size is not None:
-    return _beam_generation(graphdef, state, logits, lengths, counts, started, tokenizer, params,
-                            max_new_tokens, beam_size, num_return, length_penalty)
-  stats = {}
-  if draft is None:
-    out = decode(_step_fn(graphdef), state, logits, key=key, params=params,
-                 max_new_tokens=max_new_tokens, positions=lengths, eos_ids=[tokenizer.EOS],
-                 pad_id=tokenizer.PAD, counts=counts)
-  else:
-    if isinstance(draft, str):
-      drafter = NgramDrafter(tokens, lengths)
-    else:
-      if draft.config.max_len < width:
-        raise ValueError(f"the draft model's context ({draft.config.max_len} tokens) is shorter "
-                         f"than the prompts ({width} tokens, padded); use a draft with a longer "
-                         f"max_len or draft='ngram'")
-      draft_graphdef, draft_weights = nnx.split(draft)
-      _, draft_state = prefill(draft_graphdef, draft_weights, tokens, lengths,
-                               cache_length=min(cache_length, draft.config.max_len))
-      drafter = ModelDrafter(draft_state, _step_fn(draft_graphdef))
-    out = speculative_decode(_step_fn(graphdef), state, logits, key=key, params=params,
-                             max_new_tokens=max_new_tokens, positions=lengths,
-                             drafter=drafter, num_draft_tokens=num_draft_tokens,
-                             eos_ids=[tokenizer.EOS], pad_id=tokenizer.PAD, counts=counts)
-    stats = dict(accepted=np.asarray(out.accepted), drafted=np.asarray(out.drafted),
-                 calls=int(out.calls))
-  new_tokens = np.asarray(out.tokens)
-  seconds = time.perf_counter() - started
-  out_lengths = np.asarray(out.lengths)
-  texts = [tokenizer.decode(row[:n]) for row, n in zip(new_tokens, out_lengths)]
-  return Generation(texts, new_tokens, np.asarray(out.logprobs), out_lengths,
-                    np.asarray(out.finished), seconds, **stats)
+    for name, on in (("n > 1", n > 1), ("stop", bool(stop)), ("top_logprobs", top_logprobs > 0),
+                     ("logprobs_mode='raw'", logprobs_mode == "raw")):
+      if on:
+        raise ValueError(f"{name} does not apply to beam search (beam_size={beam_size}): beam "
+                         f"search returns num_return best beams, scored by processed "
+                         f"log-probabilities")
+  if draft is not None:
+    for name, on in (("top_logprobs", top_logprobs > 0),
+                     ("logprobs_mode='raw'", logprobs_mode == "raw")):
+      if on:
+        raise ValueError(f"{name} is not available with draft={draft!r:.40}: speculative "
+                         f"decoding returns processed log-probabilities only")
 
 
 def _check_draft(draft, num_draft_tokens, model: Transformer, beam_size) -> None:
@@ -214,10 +357,11 @@ def _check_draft(draft, num_draft_tokens, model: Transformer, beam_size) -> None
 
 
 def _beam_generation(graphdef, state, logits, lengths, counts, started, tokenizer, params,
-                     max_new_tokens, beam_size, num_return, length_penalty) -> Generation:
+                     max_new_tokens, beam_size, num_return, length_penalty,
+                     prompt_logprobs=None) -> Generation:
   """`generate` with beam search, from the prefill on: the best beam in the main fields, the
   `num_return` best in `beams` and `scores`."""
-  out = beam_search(_step_fn(graphdef), state, logits, beam_size=beam_size,
+  out = beam_search(step_fn_for(graphdef), state, logits, beam_size=beam_size,
                     num_return=num_return, max_new_tokens=max_new_tokens, positions=lengths,
                     eos_ids=[tokenizer.EOS], pad_id=tokenizer.PAD, length_penalty=length_penalty,
                     params=params, counts=counts, state_axes=DECODE_STATE_AXES)
@@ -227,4 +371,4 @@ def _beam_generation(graphdef, state, logits, lengths, counts, started, tokenize
            for row, row_lengths in zip(tokens, lengths)]
   return Generation([row[0] for row in beams], tokens[:, 0], np.asarray(out.logprobs)[:, 0],
                     lengths[:, 0], np.asarray(out.finished)[:, 0], seconds, beams=beams,
-                    scores=np.asarray(out.scores))
+                    scores=np.asarray(out.scores), prompt_logprobs=prompt_logprobs)

@@ -8,10 +8,12 @@ the command cleanly: files being written are left as they were (see `jaxdecode._
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
 import sys
+import time
 
 import jax
 import numpy as np
@@ -67,6 +69,25 @@ def build_parser() -> argparse.ArgumentParser:
                       "prompt lookup (ngram), the embedded draft model (model) or a checkpoint")
   g.add_argument("--num-draft-tokens", type=positive_int, default=4, metavar="K",
                  help="with --draft: tokens drafted and verified per model call (1..16)")
+  g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                 help="end a row at the first occurrence of TEXT in its new text (repeatable)")
+  g.add_argument("--include-stop", action="store_true",
+                 help="with --stop: keep the stop string in the text")
+  g.add_argument("-n", type=positive_int, default=1, metavar="N",
+                 help="samples per prompt (sample i uses row key fold_in(row key, i))")
+  g.add_argument("--top-logprobs", type=integer, default=0, metavar="K",
+                 help="print a table per step: the K (1..20) most likely tokens and their "
+                      "log-probabilities")
+  g.add_argument("--logprobs-mode", choices=("processed", "raw"), default="processed",
+                 help="log-probabilities of the distribution sampled from (processed) or of "
+                      "the model (raw)")
+  g.add_argument("--prompt-logprobs", action="store_true",
+                 help="also score each prompt token under the model")
+  g.add_argument("--json", action="store_true",
+                 help="print one JSON object (texts, tokens, log-probs, top lists, settings)")
+  g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                 help="print text as it is generated (default: on a terminal, when nothing "
+                      "needs the whole output: no --json, --beams, --draft, --top-logprobs)")
 
   e = sub.add_parser("eval", help="the model's loss on a text file, in nats and bits per byte")
   e.add_argument("file")
@@ -162,15 +183,36 @@ def _generate(args) -> None:
   elif draft not in (None, "ngram"):
     draft = models.load_checkpoint(draft)[0]  # a missing or broken file: a clear ValueError
   model = _load_model(args.model)
-  out = models.generate(args.prompts, model=model, params=params, seed=args.seed,
-                        max_new_tokens=args.max_new_tokens, penalize_prompt=args.penalize_prompt,
-                        beam_size=beams, num_return=args.num_return if beams else None,
-                        length_penalty=args.length_penalty, draft=draft,
-                        num_draft_tokens=args.num_draft_tokens)
-  for i, (prompt, text) in enumerate(zip(args.prompts, out.texts)):
+  options = dict(model=model, params=params, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                 penalize_prompt=args.penalize_prompt, stop=args.stop,
+                 include_stop=args.include_stop, n=args.n)
+  extra = dict(beam_size=beams, num_return=args.num_return if beams else None,
+               length_penalty=args.length_penalty, draft=draft,
+               num_draft_tokens=args.num_draft_tokens, top_logprobs=args.top_logprobs,
+               logprobs_mode=args.logprobs_mode, prompt_logprobs=args.prompt_logprobs)
+  streaming = args.stream
+  if streaming is None:
+    streaming = sys.stdout.isatty()
+  streaming = streaming and not (args.json or beams or args.draft or args.top_logprobs or
+                                 args.prompt_logprobs or args.logprobs_mode != "processed")
+  if streaming:
+    out = _print_stream(args.prompts, args.n, options)
+  else:
+    out = models.generate(args.prompts, **options, **extra)
+  if args.json:
+    print(_json_report(args, out, dict(options, **extra, params=None, model=None), settings=params))
+    return
+  for i, prompt in enumerate([] if streaming else args.prompts):
     if beams is None:
-      print(f"--- [{i + 1}] {prompt!r}")
-      print(prompt + text)
+      for j in range(args.n):
+        row = i * args.n + j
+        print(f"--- [{i + 1}] {prompt!r}" + (f" sample {j + 1}/{args.n}" if args.n > 1 else ""))
+        print(prompt + out.texts[row])
+        if args.top_logprobs:
+          print(_top_table(out, row))
+      if args.prompt_logprobs:
+        lp = out.prompt_logprobs[i]
+        print(f"    prompt log-probability {float(lp.sum()):.4f} over {lp.size} tokens")
       continue
     for r, (beam_text, score) in enumerate(zip(out.beams[i], out.scores[i])):
       rank = f" beam {r + 1}/{args.num_return}" if args.num_return > 1 else ""
@@ -187,12 +229,96 @@ def _generate(args) -> None:
         ("min_p", args.min_p, 0.0)) if value != off)
   settings += "".join(f" {k}={v:g}" for k, v in control.items()) + (
       " penalize_prompt" if args.penalize_prompt else "")
+  settings += (f" n={args.n}" if args.n > 1 else "") + (
+      f" stop={args.stop!r}" if args.stop else "")
   if args.draft is not None:
     settings += (f" draft={args.draft} K={args.num_draft_tokens} (acceptance "
                  f"{out.acceptance_rate:.0%}, {out.calls} model calls)")
   print(f"--- {settings}{'' if beams else f' seed={args.seed}'} | {len(args.prompts)} prompt(s), "
         f"{int(out.lengths.sum())} new tokens in {out.seconds:.2f} s "
         f"({out.tokens_per_second:.0f} tokens/s, compilation included)")
+
+
+def _print_stream(prompts, n: int, options: dict):
+  """Prints the rows one after the other as `models.stream` produces them (later rows are
+  buffered until the rows before them are done); returns a summary like a `Generation`."""
+  started = time.perf_counter()
+  rows = len(prompts) * n
+  buffered, texts = [[] for _ in range(rows)], [""] * rows
+  current, chunk = 0, None
+
+  def header(row):
+    b, j = divmod(row, n)
+    print(f"--- [{b + 1}] {prompts[b]!r}" + (f" sample {j + 1}/{n}" if n > 1 else ""))
+    sys.stdout.write(prompts[b])
+
+  header(0)
+  for chunk in models.stream(prompts, **options):
+    for r, piece in enumerate(chunk.texts):
+      buffered[r].append(piece)
+      texts[r] += piece
+    while current < rows:
+      sys.stdout.write("".join(buffered[current]))
+      buffered[current] = []
+      if not chunk.done[current]:
+        break
+      sys.stdout.write("\n")
+      current += 1
+      if current < rows:
+        header(current)
+    sys.stdout.flush()
+  return models.Generation(texts, None, None, chunk.lengths, chunk.finished,
+                           time.perf_counter() - started)
+
+
+def _token_text(token: int) -> str:
+  """A token for a table: the byte as a Python literal, or <BOS>/<EOS>/<PAD>."""
+  tok = models.ByteTokenizer
+  names = {tok.BOS: "<BOS>", tok.EOS: "<EOS>", tok.PAD: "<PAD>"}
+  return names.get(token) or repr(bytes([token]))[2:-1] or "''"
+
+
+def _top_table(out, row: int) -> str:
+  """The readable table of `--top-logprobs`: one line per step of a row."""
+  lines = [f"    {'step':>4}  {'token':<8} {'logprob':>8}   top {out.top_tokens.shape[-1]}"]
+  for t in range(int(out.lengths[row])):
+    tops = "  ".join(f"{_token_text(int(k))!s:<6}{float(v):8.3f}"
+                     for k, v in zip(out.top_tokens[row, t], out.top_logprobs[row, t]))
+    lines.append(f"    {t:>4}  {_token_text(int(out.tokens[row, t])):<8} "
+                 f"{float(out.logprobs[row, t]):8.3f}   {tops}")
+  return "\n".join(lines)
+
+
+def _finite(values) -> list:
+  """Floats for JSON: -inf (a removed token) and NaN become None."""
+  return [float(v) if np.isfinite(v) else None for v in np.asarray(values).ravel()]
+
+
+def _json_report(args, out, options: dict, settings: SamplingParams) -> str:
+  """`--json`: one object with the settings and, per row, text, tokens, log-probs, lists."""
+  rows = []
+  for r, text in enumerate(out.texts):
+    length = int(out.lengths[r])
+    row = dict(prompt=r // args.n, sample=r % args.n, text=text,
+               tokens=out.tokens[r, :length].tolist(), logprobs=_finite(out.logprobs[r, :length]),
+               finished=bool(out.finished[r]))
+    if out.top_tokens is not None:
+      row["top"] = [dict(tokens=out.top_tokens[r, t].tolist(),
+                         logprobs=_finite(out.top_logprobs[r, t])) for t in range(length)]
+    rows.append(row)
+  result = dict(prompts=list(args.prompts), rows=rows, seconds=out.seconds,
+                settings=dict({k: v for k, v in options.items() if v is not None and
+                               not hasattr(v, "config")},
+                              seed=args.seed, greedy=args.greedy,
+                              temperature=float(np.asarray(settings.temperature)),
+                              top_k=int(np.asarray(settings.top_k)),
+                              top_p=float(np.asarray(settings.top_p)),
+                              min_p=float(np.asarray(settings.min_p))))
+  if out.prompt_logprobs is not None:
+    result["prompt_logprobs"] = [_finite(lp) for lp in out.prompt_logprobs]
+  if out.beams is not None:
+    result["beams"], result["scores"] = out.beams, out.scores.tolist()
+  return json.dumps(result, ensure_ascii=False, allow_nan=False)
 
 
 def _eval(args) -> None:

@@ -1,0 +1,161 @@
+"""`stream`: `generate`'s text as the decode loop produces it, chunk by chunk.
+
+A host loop over one jitted chunk function (`chunk_size` steps of `decode`'s loop, a
+`lax.scan`): every chunk reuses the same compiled program, and the next chunk is dispatched
+before the host decodes the text of the last one, so the device is not left waiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxdecode import _checks
+from jaxdecode import decoding
+from jaxdecode import loop
+from jaxdecode import processors
+from jaxdecode.models import extras
+from jaxdecode.models.generate import prepare, step_fn_for
+from jaxdecode.models.tokenizer import ByteTokenizer
+from jaxdecode.models.transformer import Transformer
+from jaxdecode.params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamChunk:
+  """One chunk of `stream` (R rows: prompts · n, prompt-major).
+
+  Attributes:
+    texts: per row, the new text since the previous chunk ("" if none). Joining a row's pieces
+      gives `generate`'s text for the same arguments.
+    finished: bool[R], rows that ended with EOS or a stop string (`Generation.finished`).
+    done: bool[R], rows that will produce no more text (finished, or `max_new_tokens` reached).
+    lengths: int32[R], new tokens per row so far (as `Generation.lengths` at the end).
+  """
+
+  texts: list
+  finished: np.ndarray
+  done: np.ndarray
+  lengths: np.ndarray
+
+
+def stream(prompts: Sequence[str], *, model: Transformer | None = None,
+           params: SamplingParams | None = None, seed: int = 0, key=None,
+           max_new_tokens: int = 128, tokenizer: ByteTokenizer | None = None,
+           penalize_prompt: bool = False, beam_size: int | None = None,
+           num_return: int | None = None, length_penalty: float = 1.0, draft=None,
+           num_draft_tokens: int = 4, stop=None, include_stop: bool = False, n: int = 1,
+           top_logprobs: int = 0, logprobs_mode: str = "processed",
+           prompt_logprobs: bool = False, chunk_size: int = 16) -> Iterator[StreamChunk]:
+  """Continues each text prompt like `generate`, yielding the text as it is produced.
+
+  The arguments are `generate`'s (same keys, same tokens, same texts), plus `chunk_size`.
+  Everything is checked, and the prompts prefilled, when `stream` is called; the chunks come
+  from iterating. The first chunk holds the first token of every row (drawn from the
+  prefill), each later one `chunk_size` more steps. A row whose text might be the start of a
+  stop string holds that text back until it is resolved, so a stop string that spans chunks
+  is never shown. The loop ends as soon as every row is done (EOS, a stop string, or
+  `max_new_tokens`), so stop strings also save model steps here.
+
+  Not streamed: beam search (`beam_size`), speculative decoding (`draft`), `top_logprobs`,
+  `logprobs_mode="raw"` and `prompt_logprobs` (use `generate` for those).
+
+  Args:
+    chunk_size: decode steps per chunk (>= 1). Smaller chunks show text sooner and cost more
+      host round trips.
+    others: see `generate`.
+
+  Returns:
+    An iterator of `StreamChunk`.
+
+  Raises:
+    ValueError: as `generate`, and for the options that are not streamed.
+  """
+  chunk_size = _checks.integer("chunk_size", chunk_size, low=1)
+  for name, on in (("beam_size", beam_size is not None), ("draft", draft is not None),
+                   ("top_logprobs", top_logprobs not in (0, None)),
+                   ("logprobs_mode='raw'", logprobs_mode != "processed"),
+                   ("prompt_logprobs", prompt_logprobs is not False)):
+    if on:
+      raise ValueError(f"stream does not support {name}; use generate for it")
+  del num_return, length_penalty, num_draft_tokens  # beam search and drafts only
+  batch = prepare(
+      prompts, model=model, params=params, seed=seed, key=key, max_new_tokens=max_new_tokens,
+      tokenizer=tokenizer, penalize_prompt=penalize_prompt, beam_size=None, draft=None,
+      num_draft_tokens=4, stop=stop, include_stop=include_stop, n=n, top_logprobs=0,
+      logprobs_mode="processed", prompt_logprobs=False)
+  return _chunks(batch, max_new_tokens, chunk_size)
+
+
+def _chunks(batch, max_new_tokens: int, chunk_size: int) -> Iterator[StreamChunk]:
+  """The host loop: run a chunk, hand the previous chunk's text out meanwhile."""
+  tok = batch.tokenizer
+  step_fn = step_fn_for(batch.graphdef)
+  params, counts = processors.check_call(batch.logits, batch.params, batch.counts,
+                                         caller="stream", loop=True)
+  counts = jnp.zeros(batch.logits.shape, jnp.int32) if counts is None else counts
+  inputs = (batch.key, params, batch.lengths, jnp.asarray([tok.EOS], jnp.int32),
+            jnp.asarray(tok.PAD, jnp.int32))
+  s = _start(step_fn, batch.state, batch.logits, counts, *inputs,
+             max_new_tokens=max_new_tokens)
+  rows = [extras.RowText(batch.stop, batch.include_stop) for _ in range(batch.logits.shape[0])]
+  seen = np.zeros(len(rows), np.int64)
+  t = 1
+  while True:
+    following = None
+    if t < max_new_tokens:  # dispatched now, runs while the host decodes `s`
+      following = _chunk(step_fn, s, *inputs, jnp.int32(t), chunk_size=chunk_size)
+    tokens, lengths, finished = jax.device_get((s.tokens, s.lengths, s.finished))
+    chunk = _texts(rows, seen, tokens, lengths, finished, max_new_tokens)
+    yield chunk
+    if chunk.done.all() or following is None:
+      return
+    s, t = following, t + chunk_size
+
+
+def _texts(rows, seen, tokens, lengths, finished, max_new_tokens: int) -> StreamChunk:
+  """Feeds each row's new tokens to its `RowText`; returns the chunk of released text."""
+  pieces, stopped, done, out_lengths = [], [], [], []
+  for r, row in enumerate(rows):
+    row.feed(tokens[r, seen[r]:lengths[r]])
+    seen[r] = lengths[r]
+    over = row.stopped or finished[r] or lengths[r] >= max_new_tokens
+    if over:
+      row.close()
+    pieces.append(row.release())
+    stopped.append(row.stopped)
+    done.append(over)
+    out_lengths.append(row.tokens if row.stopped else lengths[r])
+  return StreamChunk(pieces, np.asarray(finished) | np.asarray(stopped), np.asarray(done),
+                     np.asarray(out_lengths, np.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("step_fn", "max_new_tokens"))
+def _start(step_fn, state, logits, counts, key, params, positions, eos, pad, *,
+           max_new_tokens: int) -> loop.LoopState:
+  """`decode`'s step 0 (from the prefill's logits): the loop state before the first chunk."""
+  batch, vocab = logits.shape
+  spec = decoding.make_spec(key, params, positions, eos, pad, (), batch=batch, vocab=vocab)
+  return decoding.start(spec, state, logits, counts, max_new_tokens)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("step_fn", "chunk_size"))
+def _chunk(step_fn, s: loop.LoopState, key, params, positions, eos, pad, first, *,
+           chunk_size: int) -> loop.LoopState:
+  """Steps first .. first + chunk_size - 1 of `decode`'s loop (one program for every chunk:
+  `first` is traced). Steps past a row's end record nothing, as in `decode`."""
+  batch, vocab = s.counts.shape
+  spec = decoding.make_spec(key, params, positions, eos, pad, (), batch=batch, vocab=vocab)
+  advance = decoding.make_advance(step_fn, spec)
+
+  def body(carry, t):
+    return advance(carry, t), None
+
+  carry, _ = lax.scan(body, (s, None), first + jnp.arange(chunk_size, dtype=jnp.int32))
+  return carry[0]
