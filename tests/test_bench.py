@@ -52,7 +52,7 @@ def test_result_is_valid_json_and_formats_as_a_table(kernel_result):
   text = json.dumps(bench._finite(kernel_result), allow_nan=False)
   back = json.loads(text)
   assert set(back) == {"command", "machine", "settings", "notes", "kernel", "decode", "beam",
-                       "numerics", "speculative"}
+                       "numerics", "speculative", "stream"}
   assert back["decode"] == back["beam"] == []  # decode=False skips both model tables
   assert back["settings"]["runs"] == 5 and back["settings"]["seconds"] > 0
   for field in ("platform", "cpu_count", "device_kind", "devices", "jax"):
@@ -213,7 +213,7 @@ def test_main_prints_json_or_a_table(kernel_result, capsys, monkeypatch):
   back = json.loads(capsys.readouterr().out)
   assert back["command"] == "python -m jaxdecode.bench --quick --json --no-decode --runs 5"
   assert seen["quick"] and seen["runs"] == 5 and not seen["decode"] and not seen["all_peers"]
-  assert seen["beam"] is seen["numerics"] is seen["spec"] is None  # follow --no-decode
+  assert seen["beam"] is seen["numerics"] is seen["spec"] is seen["stream"] is None
   ratios = [v for row in back["kernel"] for v in row["ratio"].values()]
   assert ratios and all(_positive_finite(v) for v in ratios)
   assert bench.main(["--quick", "--all-peers"], prog="jaxdecode bench") == 0
@@ -226,6 +226,10 @@ def test_main_prints_json_or_a_table(kernel_result, capsys, monkeypatch):
   assert bench.main(["--quick", "--no-kernels", "--no-numerics", "--no-spec"]) == 0
   capsys.readouterr()
   assert not seen["kernels"] and seen["numerics"] is False and seen["spec"] is False
+  assert seen["stream"] is None
+  assert bench.main(["--quick", "--no-stream"]) == 0
+  capsys.readouterr()
+  assert seen["stream"] is False
 
 
 def test_decode_table_skips_a_model_whose_context_is_too_short():
@@ -328,3 +332,18 @@ def test_spec_prompts_repeat_a_pattern_or_open_a_paragraph():
   assert rep.count("def get_") == 4 and rep.endswith("    def get_height(self):\n")
   fresh = bench.spec_prompts("fresh", 9)
   assert fresh[0] == fresh[8] == "The for statement" and len(set(fresh)) == 8
+
+
+@pytest.mark.slow
+def test_stream_table_on_a_tiny_model():
+  def tiny():
+    return bench.random_model(259, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=128)
+
+  (row,) = bench.stream_table(batches=(2,), runs=5, max_new_tokens=20, model_loader=tiny)
+  assert row["batch"] == 2 and row["chunk_size"] == 16 and row["runs"] == 5
+  assert 1 <= row["chunks"] <= 3  # 20 tokens: the first, then chunks of up to 16 steps
+  assert _positive_finite(row["ratio"]["stream_vs_generate"])
+  result = {"command": "", "machine": bench.machine_info(), "notes": [], "kernel": [],
+            "stream": [row], "settings": {"runs": 5, "warmup": 2, "seconds": 1.0,
+                                          "max_new_tokens": 20}}
+  assert "Streaming: models.stream" in bench.format_table(result)

@@ -1,8 +1,8 @@
 """The benchmark suite: every figure is a ratio of two timings taken in the same process.
 
 Run it as `python -m jaxdecode.bench [--quick] [--json] [--runs N] [--no-kernels] [--no-decode]
-[--no-beam] [--no-numerics] [--no-spec] [--all-peers]` (or `jaxdecode bench`). The protocol
-(docs/architecture.md, "Benchmark protocol"):
+[--no-beam] [--no-numerics] [--no-spec] [--no-stream] [--all-peers]` (or `jaxdecode bench`).
+The protocol (docs/architecture.md, "Benchmark protocol"):
 
 - the functions of one table row are timed round-robin, run after run (each run starts at the
   next function, so no function always follows the same one), so that machine noise hits them
@@ -38,6 +38,7 @@ Tables:
 5. Speculative decoding. `speculative_decode` over `decode` time (the same tokens) and the
    acceptance rate, for the n-gram drafter and the embedded draft model, greedy and top-p 0.9,
    B = 1 and 8, K = 2, 4, 8, on repetitive and on fresh prompts.
+6. Streaming. `models.stream` consumed to the end over `models.generate`, B = 1 and 8.
 
 Duration on 2 idle CPU cores (AMD EPYC): `--quick` (B = 8 kernels; numerics at B = 1, 8;
 speculative at B = 1, K = 4) about 4 minutes; the default run about 20 (kernels 7, decode 1,
@@ -807,6 +808,49 @@ def spec_table(*, batches: Sequence[int] = (1, 8), ks: Sequence[int] = (2, 4, 8)
 
 
 # ---------------------------------------------------------------------------------------------
+# Table 6: streaming.
+
+
+def stream_row(model, *, batch: int, runs: int = RUNS, max_new_tokens: int = 64,
+               chunk_size: int = 16, seed: int = 0) -> dict:
+  """`models.stream` (every chunk consumed) over `models.generate` time, same prompts and key.
+
+  Both include the prefill and the host-side text decoding; top-p 0.9, no EOS stop forced (the
+  rows run until EOS or `max_new_tokens`, the same in both since the tokens are the same).
+
+  Returns:
+    A dict with `batch`, `max_new_tokens`, `chunk_size`, `runs`, `median_s` (generate, stream),
+    `chunks` (how many the stream yielded) and `ratio`: `stream_vs_generate` (time).
+  """
+  from jaxdecode.models import generate, stream  # pylint: disable=import-outside-toplevel
+  prompts = spec_prompts("fresh", batch)
+  params = SamplingParams(top_p=TOP_P)
+  kwargs = dict(model=model, params=params, seed=seed, max_new_tokens=max_new_tokens)
+  chunks = len(list(stream(prompts, chunk_size=chunk_size, **kwargs)))
+  medians = _medians(time_round_robin({
+      "generate": lambda: generate(prompts, **kwargs).tokens,
+      "stream": lambda: [c.lengths for c in stream(prompts, chunk_size=chunk_size, **kwargs)],
+  }, runs))
+  return {"batch": batch, "max_new_tokens": max_new_tokens, "chunk_size": chunk_size,
+          "runs": runs, "median_s": medians, "chunks": chunks,
+          "ratio": {"stream_vs_generate": medians["stream"] / medians["generate"]}}
+
+
+def stream_table(*, batches: Sequence[int] = (1, 8), runs: int = RUNS, max_new_tokens: int = 64,
+                 model_loader: Callable[[], Any] | None = None,
+                 progress: Callable[[str], None] | None = None) -> list[dict]:
+  """`stream_row` for each batch size on the embedded model (or `model_loader()`)."""
+  model = (model_loader or _default_model)()
+  rows = []
+  for batch in batches:
+    started = time.perf_counter()
+    rows.append(stream_row(model, batch=batch, runs=runs, max_new_tokens=max_new_tokens))
+    if progress:
+      progress(f"stream B={batch}: {time.perf_counter() - started:.0f} s")
+  return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # The whole run, and its output.
 
 
@@ -834,8 +878,8 @@ def machine_info() -> dict:
 
 def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool = True,
                    kernels: bool = True, beam: bool | None = None,
-                   numerics: bool | None = None,
-                   spec: bool | None = None, all_peers: bool = False,
+                   numerics: bool | None = None, spec: bool | None = None,
+                   stream: bool | None = None, all_peers: bool = False,
                    batches: Sequence[int] | None = None,
                    vocabs: Sequence[int] | None = None, shapes: Sequence[str] = SHAPES,
                    decode_models: Sequence[tuple[str, Callable[[], Any]]] | None = None,
@@ -852,6 +896,7 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
     beam: include the beam-search table (default: when the decode table is included).
     numerics: include the numerics table (default: likewise).
     spec: include the speculative-decoding table (default: likewise).
+    stream: include the streaming table (default: likewise).
     all_peers: time the sort-based peers at every size.
     batches: the kernel table's B values (default: by `quick`).
     vocabs: the kernel table's V values (default: by `quick`).
@@ -908,10 +953,16 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
                     max_new_tokens=max_new_tokens or (32 if quick else 64))
     spec_rows = spec_table(batches=settings["spec_batches"], ks=settings["spec_ks"], runs=runs,
                            max_new_tokens=settings["max_new_tokens"], progress=progress)
+  stream_rows = []
+  if decode if stream is None else stream:
+    settings.update(stream_batches=[1] if quick else [1, 8],
+                    max_new_tokens=max_new_tokens or (32 if quick else 64))
+    stream_rows = stream_table(batches=settings["stream_batches"], runs=runs,
+                               max_new_tokens=settings["max_new_tokens"], progress=progress)
   settings["seconds"] = time.perf_counter() - started
   return {"command": command, "machine": machine_info(), "settings": settings, "notes": notes,
           "kernel": kernel, "decode": decode_rows, "beam": beam_rows, "numerics": numerics_rows,
-          "speculative": spec_rows}
+          "speculative": spec_rows, "stream": stream_rows}
 
 
 _WIDTH = 100  # the width of the legend lines
@@ -1067,6 +1118,19 @@ def format_table(result: Mapping) -> str:
         "speculation pays); acc: drafts accepted. repetitive: accessor methods differing by a "
         "name; fresh: the opening words of a docs paragraph. ngram: prompt lookup; model: the "
         "embedded draft model's greedy tokens.")
+  if result.get("stream"):
+    lines += _section(
+        [f"Streaming: models.stream (every chunk consumed) vs models.generate, embedded model, "
+         f"top-p 0.9, {s['max_new_tokens']} new tokens"],
+        f"{'B':>3} {'chunk':>5} {'chunks':>6} {'generate ms':>11} {'stream ms':>9} "
+        f"{'stream/generate':>15}",
+        result["stream"], lambda row: f"{row['batch']:>3}",
+        lambda row, r: (f"{row['batch']:>3} {row['chunk_size']:>5} {row['chunks']:>6} "
+                        f"{row['median_s']['generate'] * 1e3:>11.1f} "
+                        f"{row['median_s']['stream'] * 1e3:>9.1f} "
+                        f"{_fmt(r['stream_vs_generate']):>15}"),
+        "stream/generate: time of a stream consumed to the end over generate's (1.00 = "
+        "streaming is free); both include the prefill and the text decoding.")
   for note in result["notes"]:
     lines += textwrap.wrap(f"note: {note}", _WIDTH, subsequent_indent="  ")
   return "\n".join(lines).strip("\n") + "\n"
@@ -1108,6 +1172,7 @@ def build_parser(prog: str = "python -m jaxdecode.bench") -> argparse.ArgumentPa
                       help="skip the batch-invariant numerics table")
   parser.add_argument("--no-spec", action="store_true",
                       help="skip the speculative-decoding table")
+  parser.add_argument("--no-stream", action="store_true", help="skip the streaming table")
   parser.add_argument("--all-peers", action="store_true",
                       help=f"time the sort-based peers also where B*V > {PEER_MAX_ELEMENTS} "
                            f"(20-30 minutes more)")
@@ -1149,7 +1214,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jaxdecode.
                           decode=not args.no_decode,
                           beam=False if args.no_beam else None,
                           numerics=False if args.no_numerics else None,
-                          spec=False if args.no_spec else None, all_peers=args.all_peers,
+                          spec=False if args.no_spec else None,
+                          stream=False if args.no_stream else None, all_peers=args.all_peers,
                           command=f"{prog} {shlex.join(argv)}".strip(), progress=progress)
   text = json.dumps(_finite(result), indent=1, sort_keys=False, allow_nan=False)
   if args.out is not None:
