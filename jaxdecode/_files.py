@@ -98,6 +98,16 @@ def check_output_dir(path, what: str = "output folder") -> str:
   return path
 
 
+def _file_mode(path: str) -> int:
+  """The permission bits the new file gets: the old file's, or what `open(path, "w")` gives."""
+  try:
+    return os.stat(path).st_mode & 0o7777
+  except OSError:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write(path, data: bytes, what: str = "output file") -> None:
   """Writes `data` to `path` so that the file is always either the old one or the new one.
 
@@ -108,6 +118,7 @@ def atomic_write(path, data: bytes, what: str = "output file") -> None:
   folder = os.path.dirname(os.path.abspath(path))
   fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
   try:
+    os.fchmod(fd, _file_mode(path))  # mkstemp's 0600 would hide the file from other users
     with os.fdopen(fd, "wb") as f:
       f.write(data)
       f.flush()

@@ -100,6 +100,21 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_file(tmp_path, monk
   assert os.listdir(tmp_path) == ["data.json"]
 
 
+def test_written_files_get_the_permissions_open_would_give_or_keep_the_old_ones(tmp_path):
+  umask = os.umask(0o022)
+  try:
+    fresh = tmp_path / "fresh.bin"
+    _files.atomic_write(str(fresh), b"x")
+    assert fresh.stat().st_mode & 0o777 == 0o644  # not mkstemp's 0600
+    kept = tmp_path / "kept.bin"
+    kept.write_bytes(b"old")
+    kept.chmod(0o640)
+    _files.atomic_write(str(kept), b"new")
+    assert kept.read_bytes() == b"new" and kept.stat().st_mode & 0o777 == 0o640
+  finally:
+    os.umask(umask)
+
+
 def test_an_interrupt_during_a_write_leaves_the_old_file(tmp_path, monkeypatch):
   target = tmp_path / "data.json"
   target.write_text("old")
