@@ -40,12 +40,13 @@ Tables:
    B = 1 and 8, K = 2, 4, 8, on repetitive and on fresh prompts.
 6. Streaming. `models.stream` consumed to the end over `models.generate`, B = 1 and 8.
 
-Duration on 2 idle CPU cores (AMD EPYC): `--quick` (B = 8 kernels; numerics at B = 1, 8;
-speculative at B = 1, K = 4) about 4 minutes; the default run about 20 (kernels 7, decode 1,
-beam 2, numerics 3, speculative 7); up to twice that when the cores are shared. The sort-based
-peers are slow at large sizes, so by default they are timed only where B*V <=
-`PEER_MAX_ELEMENTS` (B <= 8, and B = 64 with V = 32000); `--all-peers` times them everywhere
-(about 20-30 more minutes).
+Duration on 2 CPU cores (AMD EPYC), measured: the kernel and control tables about 8 minutes, the
+model tables 22 (decode 1.6, beam 1, numerics 2.5, speculative 16, streaming 1); `--no-kernels`
+runs the model tables alone. `--quick` (B = 8 kernels; numerics at B = 1, 8; speculative at
+B = 1, K = 4; streaming at B = 1; 10 runs) takes roughly 8-10 minutes. Up to twice that when the
+cores are shared. The sort-based peers are slow at large sizes, so by default they are timed
+only where B*V <= `PEER_MAX_ELEMENTS` (B <= 8, and B = 64 with V = 32000); `--all-peers` times
+them everywhere (about 20-30 more minutes).
 
 From Python: `run_benchmarks(...)` returns every median and ratio as one dict (what `--json`
 prints) and `format_table(result)` renders it (what the README pastes); `kernel_table`,
@@ -1155,7 +1156,7 @@ def build_parser(prog: str = "python -m jaxdecode.bench") -> argparse.ArgumentPa
   parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help=f"smaller grid (B=8, V in 32000/128256; 32 new tokens), {QUICK_RUNS} "
-                           f"runs by default: about 4 minutes (the default run: about 20)")
+                           f"runs by default: roughly 8-10 minutes (the default run: about 30)")
   parser.add_argument("--json", action="store_true",
                       help="print one JSON object with every median (seconds) and ratio")
   parser.add_argument("--out", default=None, metavar="FILE",
