@@ -382,13 +382,20 @@ COMMANDS = {"generate": _generate, "eval": _eval, "train": _train, "audit": _aud
 
 
 def _enable_compilation_cache() -> None:
-  """Keeps compiled programs on disk, so a second `jaxdecode generate` skips most compiling."""
-  path = os.environ.get("JAXDECODE_CACHE_DIR",
-                        os.path.join(os.path.expanduser("~"), ".cache", "jaxdecode", "xla"))
+  """With `$JAXDECODE_CACHE_DIR` set, keeps compiled programs on disk there, so that a second
+  `jaxdecode generate` skips most compiling.
+
+  Off by default: with jax 0.10.2 on CPU, writing some executables to the persistent cache
+  crashed the process (a segmentation fault inside `put_executable_and_time`, seen in the test
+  suite), and a crash is worse than a slower start.
+  """
+  path = os.environ.get("JAXDECODE_CACHE_DIR", "")
+  if not path:
+    return
   try:
     _files.check_output_dir(path, "compilation cache folder")
   except ValueError:
-    return  # an unwritable home: run without the cache
+    return  # an unwritable folder: run without the cache
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
