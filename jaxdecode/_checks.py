@@ -228,6 +228,17 @@ def key(key, batch_size: int) -> None:
                      f"({batch_size}, {key_size}) for one per row; got shape {shape}")
 
 
+def beam_options(beam_size, num_return, length_penalty) -> tuple[int, int, float]:
+  """Beam search's `(beam_size >= 1, num_return in [1, beam_size] (None: beam_size), finite
+  length_penalty)`."""
+  beam_size = integer("beam_size", beam_size, low=1)
+  num_return = integer("num_return", beam_size if num_return is None else num_return, low=1)
+  if num_return > beam_size:
+    raise ValueError(f"num_return must be at most beam_size = {beam_size} (the search keeps "
+                     f"{beam_size} hypotheses per row); got {num_return}")
+  return beam_size, num_return, real("length_penalty", length_penalty)
+
+
 def one_of(name: str, value, allowed: Sequence[Any]):
   if value not in allowed:
     raise ValueError(f"{name} must be one of {list(allowed)}; got {value!r}")

@@ -438,16 +438,11 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
   batch, vocab = _checks.logits(logits)
   if not callable(step_fn):
     raise ValueError(f"step_fn must be callable; got {type(step_fn).__name__}")
-  beam_size = _checks.integer("beam_size", beam_size, low=1)
+  beam_size, num_return, length_penalty = _checks.beam_options(beam_size, num_return,
+                                                               length_penalty)
   max_new_tokens = _checks.integer("max_new_tokens", max_new_tokens, low=1)
-  num_return = beam_size if num_return is None else num_return
-  num_return = _checks.integer("num_return", num_return, low=1)
-  if num_return > beam_size:
-    raise ValueError(f"num_return must be at most beam_size = {beam_size} (the search keeps "
-                     f"{beam_size} hypotheses per row); got {num_return}")
   chunk_size = _checks.integer("chunk_size", chunk_size, low=1)
   early_stopping = _checks.early_stopping(early_stopping)
-  length_penalty = _checks.real("length_penalty", length_penalty)
   params = SamplingParams() if params is None else params
   params, counts = processors.check_call(logits, params, counts, caller="beam_search",
                                          loop=True)

@@ -3,6 +3,7 @@
 import io
 import math
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -329,6 +330,40 @@ def test_generate_rejects_bad_drafts(tiny):
       (dict(draft="ngram", beam_size=2), "draft and beam_size exclude each other")]:
     with pytest.raises(ValueError, match=re.escape(fragment)):
       generate(["Hi"], model=model, max_new_tokens=4, **kwargs)
+
+
+@pytest.fixture
+def no_prefill(monkeypatch):
+  """Any prefill fails the test: a bad value must be refused before anything compiles."""
+  def prefilled(*args, **kwargs):
+    raise AssertionError("the prompts were prefilled before the bad value was refused")
+  monkeypatch.setattr(sys.modules["jaxdecode.models.generate"], "prefill", prefilled)
+  monkeypatch.setattr(sys.modules["jaxdecode.models.extras"], "prefill_with_logprobs",
+                      prefilled)
+
+
+SHORT_DRAFT_CONFIG = TransformerConfig(d_model=16, n_layers=1, n_heads=1, d_ff=32, max_len=8)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(beam_size=0), "beam_size must be an integer >= 1; got 0"),
+    (dict(beam_size=2, num_return=3), "num_return must be at most beam_size = 2"),
+    (dict(beam_size=2, length_penalty=float("nan")), "length_penalty must be a finite number"),
+    (dict(beam_size=2, prompt_logprobs=True, num_return=0), "num_return must be an integer"),
+    (dict(params=jaxdecode.SamplingParams(banned_token_ids=[300])),
+     "banned_token_ids has token id 300, outside the vocabulary of the logits [0, 259)"),
+    (dict(params=jaxdecode.SamplingParams(temperature=[1.0, 0.5, 0.2])),
+     "temperature has shape (3,) but the batch has 2 rows"),
+    (dict(params=jaxdecode.SamplingParams(top_k=[1, 2, 3]), n=2),
+     "top_k has shape (3,) but the batch has 2 rows"),
+    (dict(draft="short"), "the draft model's context (8 tokens) is shorter than the prompts"),
+])
+def test_generate_refuses_bad_values_before_the_prefill(tiny, no_prefill, kwargs, fragment):
+  model, _ = tiny
+  if kwargs.get("draft") == "short":
+    kwargs = dict(draft=Transformer(SHORT_DRAFT_CONFIG, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match=re.escape(fragment)):
+    generate(["Hi", "a longer prompt"], model=model, max_new_tokens=4, **kwargs)
 
 
 @pytest.mark.slow

@@ -165,6 +165,8 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
       not fit the model's context (`config.max_len`), n < 1, top_logprobs outside 1..20, an
       empty stop string, an unknown logprobs_mode, or options that exclude each other.
   """
+  if beam_size is not None:
+    _checks.beam_options(beam_size, num_return, length_penalty)
   batch = prepare(prompts, model=model, params=params, seed=seed, key=key,
                   max_new_tokens=max_new_tokens, tokenizer=tokenizer,
                   penalize_prompt=penalize_prompt, beam_size=beam_size, draft=draft,
@@ -271,6 +273,12 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
   width = bucket_length(longest)  # a few widths, so new prompts rarely compile
   if width + max_new_tokens > context:
     width = longest
+  if isinstance(draft, Transformer) and draft.config.max_len < width:
+    raise ValueError(f"the draft model's context ({draft.config.max_len} tokens) is shorter "
+                     f"than the prompts ({width} tokens, padded); use a draft with a "
+                     f"longer max_len or draft='ngram'")
+  # Per-row values and token ids against the prompts and the vocabulary, before the prefill.
+  params.broadcast(len(prompts), model.config.vocab_size)
   started = time.perf_counter()
   tokens, lengths = right_pad(ids, pad_id=tokenizer.PAD, width=width)
   graphdef, weights = nnx.split(model)
@@ -292,7 +300,6 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
     real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]  # right padding
     counts = token_counts(tokens, model.config.vocab_size, mask=real)
   if n > 1:
-    params.broadcast(len(prompts), model.config.vocab_size)  # one value per prompt, checked
     params = params.rows(np.repeat(np.arange(len(prompts)), n))
     key = extras.sample_keys(key, len(prompts), n)
     state = state.replace(cache=extras.repeat_rows(state.cache, n))
@@ -306,10 +313,6 @@ def _drafter(draft, batch: Prepared):
   """The drafter of `speculative_decode` for `draft` ("ngram" or a model), over the rows."""
   if isinstance(draft, str):
     return NgramDrafter(batch.tokens, batch.lengths)
-  if draft.config.max_len < batch.width:
-    raise ValueError(f"the draft model's context ({draft.config.max_len} tokens) is shorter "
-                     f"than the prompts ({batch.width} tokens, padded); use a draft with a "
-                     f"longer max_len or draft='ngram'")
   draft_graphdef, draft_weights = nnx.split(draft)
   tokens, lengths = right_pad(batch.ids, pad_id=batch.tokenizer.PAD, width=batch.width)
   _, draft_state = prefill(draft_graphdef, draft_weights, tokens, lengths,
