@@ -8,6 +8,7 @@ through, and the code that uses them masks or sanitizes them by a documented rul
 from __future__ import annotations
 
 import numbers
+from collections.abc import Hashable
 from typing import Any, Sequence
 
 import jax
@@ -240,7 +241,9 @@ def beam_options(beam_size, num_return, length_penalty) -> tuple[int, int, float
 
 
 def one_of(name: str, value, allowed: Sequence[Any]):
-  if value not in allowed:
+  """`value` if it equals one of `allowed`; unhashable values (arrays) are refused, since an
+  array compares elementwise and the value may become a static argument of a jitted call."""
+  if not isinstance(value, Hashable) or value not in allowed:
     raise ValueError(f"{name} must be one of {list(allowed)}; got {value!r}")
   return value
 
@@ -249,14 +252,17 @@ LOGPROBS_MODES = ("processed", "raw")
 MAX_TOP_LOGPROBS = 20
 
 
-def top_logprobs(value) -> int:
-  """0 (no lists; None too) or an integer in [1, 20]: how many most likely tokens to list."""
+def top_logprobs(value, vocab: int | None = None) -> int:
+  """0 (no lists; None too) or an integer in [1, 20], and at most `vocab` when given: how many
+  most likely tokens to list."""
   if value is None:
     return 0
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or not (
       value == 0 or 1 <= value <= MAX_TOP_LOGPROBS):
     raise ValueError(f"top_logprobs must be an integer in [1, {MAX_TOP_LOGPROBS}] (0 or None: "
                      f"no lists); got {value!r}")
+  if vocab is not None and value > vocab:
+    raise ValueError(f"top_logprobs must be at most the vocabulary size, {vocab}; got {value!r}")
   return int(value)
 
 
@@ -270,10 +276,16 @@ def stop_strings(value) -> tuple[str, ...]:
   if value is None:
     return ()
   items = [value] if isinstance(value, str) else value
-  if not isinstance(items, (Sequence, np.ndarray)):
+  if isinstance(items, (bytes, bytearray)) or not isinstance(items, (Sequence, np.ndarray)):
     raise ValueError(f"stop must be a string or a list of strings; got {value!r:.80}")
   for i, item in enumerate(items):
     if not isinstance(item, str) or not item:
       raise ValueError(f"stop[{i}] must be a non-empty string; got {item!r:.80} (an empty stop "
                        f"string would end every row at once)")
+    try:
+      item.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: decoded text never holds one
+      raise ValueError(f"stop[{i}] is not valid Unicode at character {e.start} "
+                       f"({item[e.start:e.end]!r}), so no text could match it; give UTF-8 "
+                       f"text") from None
   return tuple(items)

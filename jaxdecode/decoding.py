@@ -247,9 +247,9 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
       they need as `jax.tree_util.Partial(fn, arrays...)`: the arrays are then traced, and new
       values never recompile (a plain function is static). Greedy rows take the argmax after
       them; NaN they return counts as -inf.
-    top_logprobs: K in 1..20 (static) to also return, per step, the K most likely tokens and
-      their log-probabilities (`DecodeOutput.top_tokens`, `.top_logprobs`); 0 (the default)
-      computes no lists and leaves the program as it was.
+    top_logprobs: K in 1..20 and at most V (static) to also return, per step, the K most
+      likely tokens and their log-probabilities (`DecodeOutput.top_tokens`, `.top_logprobs`);
+      0 (the default) computes no lists and leaves the program as it was.
     logprobs_mode: which distribution `logprobs` and the lists score (static): "processed"
       (the default; the distribution the token was drawn from, after every processor and the
       temperature; removed tokens at -inf; 0 for greedy rows) or "raw" (the log-softmax of
@@ -277,7 +277,7 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
     raise ValueError(f"step_fn must be callable; got {type(step_fn).__name__}")
   max_new_tokens = _checks.integer("max_new_tokens", max_new_tokens, low=1)
   chunk_size = _checks.integer("chunk_size", chunk_size, low=1)
-  top_logprobs = _checks.top_logprobs(top_logprobs)
+  top_logprobs = _checks.top_logprobs(top_logprobs, vocab)
   logprobs_mode = _checks.logprobs_mode(logprobs_mode)
   params, counts = processors.check_call(logits, params, counts, caller="decode", loop=True)
   _checks.key(key, batch)

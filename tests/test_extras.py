@@ -52,7 +52,14 @@ def joined(chunks, rows):
     (dict(top_logprobs=True), "top_logprobs must be"),
     (dict(stop=[""]), r"stop\[0\] must be a non-empty string"),
     (dict(stop=["ok", 3]), r"stop\[1\] must be a non-empty string"),
+    (dict(stop=b"ok"), "stop must be a string or a list of strings; got b'ok'"),
+    (dict(stop=["ok", "\udcff"]), r"stop\[1\] is not valid Unicode at character 0"),
     (dict(logprobs_mode="softmax"), "logprobs_mode must be one of \\['processed', 'raw'\\]"),
+    # An array equal to "raw" is not "raw" (it would become an unhashable static argument).
+    (dict(logprobs_mode=np.array("raw")), "logprobs_mode must be one of"),
+    (dict(seed="1"), "seed must be an integer in"),
+    (dict(seed=1.5), "seed must be an integer in"),
+    (dict(seed=2**70), r"seed must be an integer in \[-9223372036854775808, 9223372036854775807\]"),
     (dict(include_stop="yes"), "include_stop must be True or False"),
     (dict(prompt_logprobs=1), "prompt_logprobs must be True or False"),
     (dict(n=2, beam_size=2), "n > 1 does not apply to beam search"),
@@ -74,6 +81,22 @@ def test_stream_refuses_what_it_does_not_stream(model):
     stream(["hi"], model=model, chunk_size=0)
 
 
+@pytest.mark.parametrize("bad, match", [
+    (dict(logprobs_mode="procesed"),
+     r"logprobs_mode must be one of \['processed', 'raw'\]; got 'procesed'"),
+    (dict(prompt_logprobs=1), "prompt_logprobs must be True or False; got 1"),
+    (dict(top_logprobs=False), r"top_logprobs must be an integer in \[1, 20\].*got False"),
+    (dict(top_logprobs=0.0), r"top_logprobs must be an integer in \[1, 20\].*got 0.0"),
+    (dict(num_draft_tokens=0), r"num_draft_tokens must be an integer in \[1, 16\]; got 0"),
+])
+def test_stream_names_a_bad_value_before_refusing_what_it_does_not_stream(model, bad, match):
+  # A typo is a bad value (as generate says), not an option that stream does not support.
+  with pytest.raises(ValueError, match=match):
+    stream(["hi"], model=model, max_new_tokens=2, **bad)
+  with pytest.raises(ValueError, match=match):
+    generate(["hi"], model=model, max_new_tokens=2, **bad)
+
+
 def test_decode_checks_top_logprobs_and_mode():
   logits = jnp.zeros((1, 4))
   kw = dict(key=jax.random.key(0), params=jaxdecode.SamplingParams(), max_new_tokens=2,
@@ -83,6 +106,10 @@ def test_decode_checks_top_logprobs_and_mode():
     jaxdecode.decode(step_fn, {}, logits, top_logprobs=21, **kw)
   with pytest.raises(ValueError, match="logprobs_mode must be one of"):
     jaxdecode.decode(step_fn, {}, logits, logprobs_mode="logits", **kw)
+  # The vocabulary has 4 tokens: no list of 5 (lax.top_k would fail while tracing).
+  with pytest.raises(ValueError, match=r"top_logprobs must be at most the vocabulary size, 4; "
+                                       r"got 5"):
+    jaxdecode.decode(step_fn, {}, logits, top_logprobs=5, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,6 +372,9 @@ def test_cli_streams_the_same_text_and_prints_json_and_tables(tiny_path, capsys)
     (["-n", "0"], "argument -n: expected a positive integer"),
     (["--top-logprobs", "21"], "top_logprobs must be an integer in [1, 20]"),
     (["--stop", ""], "stop[0] must be a non-empty string"),
+    # Not UTF-8 on the command line (Python keeps the byte as a lone surrogate): it could
+    # never match, and --json could not print it.
+    (["--stop", "\udcff", "--json"], "stop[0] is not valid Unicode at character 0"),
     (["--logprobs-mode", "x"], "invalid choice"),
 ])
 def test_cli_bad_flags_are_one_line_errors(tiny_path, capsys, flags, message):

@@ -330,6 +330,12 @@ def test_generate_rejects_bad_drafts(tiny):
       (dict(draft="ngram", beam_size=2), "draft and beam_size exclude each other")]:
     with pytest.raises(ValueError, match=re.escape(fragment)):
       generate(["Hi"], model=model, max_new_tokens=4, **kwargs)
+  # A draft model is named as such, not by the first 40 characters of its (multi-line) repr.
+  small = Transformer(DRAFT_CONFIG, rngs=nnx.Rngs(1))
+  with pytest.raises(ValueError) as info:
+    generate(["Hi"], model=model, max_new_tokens=4, draft=small, top_logprobs=2)
+  assert str(info.value) == ("top_logprobs is not available with a draft model: speculative "
+                             "decoding returns processed log-probabilities only")
 
 
 @pytest.fixture

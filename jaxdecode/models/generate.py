@@ -260,7 +260,8 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
   params = SamplingParams() if params is None else params
   _checks.instance("params", params, SamplingParams, "a jaxdecode.SamplingParams")
   _check_draft(draft, num_draft_tokens, model, beam_size)
-  key = jax.random.key(seed) if key is None else key
+  if key is None:
+    key = jax.random.key(_checks.integer("seed", seed, low=-2**63, high=2**63 - 1))
   _checks.key(key, len(prompts))
 
   context = model.config.max_len
@@ -332,14 +333,17 @@ def _check_excluded(beam_size, draft, n, stop, top_logprobs, logprobs_mode) -> N
                          f"search returns num_return best beams, scored by processed "
                          f"log-probabilities")
   if draft is not None:
+    what = f"draft={draft!r:.40}" if isinstance(draft, str) else "a draft model"
     for name, on in (("top_logprobs", top_logprobs > 0),
                      ("logprobs_mode='raw'", logprobs_mode == "raw")):
       if on:
-        raise ValueError(f"{name} is not available with draft={draft!r:.40}: speculative "
-                         f"decoding returns processed log-probabilities only")
+        raise ValueError(f"{name} is not available with {what}: speculative decoding returns "
+                         f"processed log-probabilities only")
 
 
 def _check_draft(draft, num_draft_tokens, model: Transformer, beam_size) -> None:
+  """ValueError for a bad draft or num_draft_tokens (checked with or without a draft)."""
+  _checks.integer("num_draft_tokens", num_draft_tokens, low=1, high=16)
   if draft is None:
     return
   if isinstance(draft, str):
@@ -353,7 +357,6 @@ def _check_draft(draft, num_draft_tokens, model: Transformer, beam_size) -> None
   else:
     raise ValueError(f"draft must be None, 'ngram' or a Transformer; got "
                      f"{type(draft).__name__}")
-  _checks.integer("num_draft_tokens", num_draft_tokens, low=1, high=16)
   if beam_size is not None:
     raise ValueError("draft and beam_size exclude each other: speculative decoding speeds up "
                      "sampling and greedy decoding, not beam search")

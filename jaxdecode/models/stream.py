@@ -78,18 +78,22 @@ def stream(prompts: Sequence[str], *, model: Transformer | None = None,
     ValueError: as `generate`, and for the options that are not streamed.
   """
   chunk_size = _checks.integer("chunk_size", chunk_size, low=1)
+  # A bad value is named as such (as `generate` does) before an option is refused.
+  top_logprobs = _checks.top_logprobs(top_logprobs)
+  logprobs_mode = _checks.logprobs_mode(logprobs_mode)
+  prompt_logprobs = _checks.boolean("prompt_logprobs", prompt_logprobs)
   for name, on in (("beam_size", beam_size is not None), ("draft", draft is not None),
-                   ("top_logprobs", top_logprobs not in (0, None)),
-                   ("logprobs_mode='raw'", logprobs_mode != "processed"),
-                   ("prompt_logprobs", prompt_logprobs is not False)):
+                   ("top_logprobs", top_logprobs > 0),
+                   ("logprobs_mode='raw'", logprobs_mode == "raw"),
+                   ("prompt_logprobs", prompt_logprobs)):
     if on:
       raise ValueError(f"stream does not support {name}; use generate for it")
-  del num_return, length_penalty, num_draft_tokens  # beam search and drafts only
+  del num_return, length_penalty  # beam search only
   batch = prepare(
       prompts, model=model, params=params, seed=seed, key=key, max_new_tokens=max_new_tokens,
       tokenizer=tokenizer, penalize_prompt=penalize_prompt, beam_size=None, draft=None,
-      num_draft_tokens=4, stop=stop, include_stop=include_stop, n=n, top_logprobs=0,
-      logprobs_mode="processed", prompt_logprobs=False)
+      num_draft_tokens=num_draft_tokens, stop=stop, include_stop=include_stop, n=n,
+      top_logprobs=0, logprobs_mode="processed", prompt_logprobs=False)
   return _chunks(batch, max_new_tokens, chunk_size)
 
 
