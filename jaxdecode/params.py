@@ -373,7 +373,7 @@ class SamplingParams:
     Args:
       batch_size: B, the rows of the logits.
       vocab_size: V; when given, concrete token ids are checked to lie in `[0, V)`, and no row
-        may ban every token it allows.
+        may ban every token it allows (every token of `[0, V)` when it has no allowed ids).
 
     Raises:
       ValueError: if a per-row field's length is not `batch_size`, or a token id is out of range.
@@ -397,7 +397,7 @@ class SamplingParams:
           raise ValueError(f"SamplingParams.{name} has token id "
                            f"{int(ids[ids >= vocab_size][0])}, outside the vocabulary of the "
                            f"logits [0, {vocab_size})")
-      _check_allowed_not_all_banned(host.banned_token_ids, host.allowed_token_ids)
+      _check_allowed_not_all_banned(host.banned_token_ids, host.allowed_token_ids, vocab_size)
     # One jitted call instead of one dispatch per field: this runs on every sampler call.
     return _broadcast_leaves(self, batch_size)
 
@@ -492,9 +492,10 @@ def _broadcast_leaves(params: SamplingParams, batch: int) -> SamplingParams:
                       allowed_token_ids=rows(params.allowed_token_ids))
 
 
-def _check_allowed_not_all_banned(banned: np.ndarray, allowed: np.ndarray) -> None:
-  """Raises ValueError if a row allows some tokens and bans every one of them (host arrays)."""
-  if not (np.any(banned >= 0) and np.any(allowed >= 0)):
+def _check_allowed_not_all_banned(banned: np.ndarray, allowed: np.ndarray, vocab: int) -> None:
+  """Raises ValueError if a row bans every token it allows: the ids of its allowed_token_ids,
+  or the whole vocabulary `[0, vocab)` when it has none (host arrays of ids in [-1, vocab))."""
+  if not np.any(banned >= 0) or (banned.shape[-1] < vocab and not np.any(allowed >= 0)):
     return
   rows = max(banned.shape[0] if banned.ndim == 2 else 1, allowed.shape[0] if allowed.ndim == 2
              else 1)
@@ -505,6 +506,9 @@ def _check_allowed_not_all_banned(banned: np.ndarray, allowed: np.ndarray) -> No
     if ok and ok <= set(banned[b].tolist()):
       raise ValueError(f"row {b} bans every token it allows ({sorted(ok)}): nothing could be "
                        f"selected; remove some from banned_token_ids or allow more")
+    if not ok and np.unique(banned[b][banned[b] >= 0]).size == vocab:
+      raise ValueError(f"row {b} bans every token of the vocabulary [0, {vocab}): nothing could "
+                       f"be selected; remove some from banned_token_ids")
 
 
 _BY_NAME = {f.name: f for f in _FIELDS}

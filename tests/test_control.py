@@ -464,6 +464,17 @@ def test_token_ids_are_checked_against_the_vocabulary_and_the_batch():
   with pytest.raises(ValueError, match=r"row 1 bans every token it allows \(\[2, 3\]\)"):
     jaxdecode.sample(key, x, SamplingParams(allowed_token_ids=[[1], [2, 3]],
                                             banned_token_ids=[3, 2]))
+  # Without allowed ids a row allows the whole vocabulary: banning all of it leaves nothing
+  # (the sampler would return token 0, a banned token, with a NaN log-probability).
+  with pytest.raises(ValueError, match=r"row 1 bans every token of the vocabulary \[0, 10\)"):
+    jaxdecode.sample(key, x, SamplingParams(banned_token_ids=[[1], list(range(10))]))
+  with pytest.raises(ValueError, match=r"row 0 bans every token of the vocabulary"):
+    jaxdecode.decode(lambda state, tokens, positions: (x, state), {}, x, key=key,
+                     params=SamplingParams(banned_token_ids=list(range(9, -1, -1))),
+                     max_new_tokens=2, positions=jnp.array([1, 1]))
+  # One token left is enough, and the row then always draws it.
+  tokens = jaxdecode.sample(key, x, SamplingParams(banned_token_ids=list(range(9))))
+  assert tokens.tolist() == [9, 9]
 
 
 def test_penalties_without_counts_and_min_new_tokens_outside_decode_raise():
