@@ -277,6 +277,16 @@ def test_cli_beams_prints_the_best_beams_with_their_scores(tiny, capsys):
   assert code == 0 and "--- [1] 'Hi' score " in out and "beam 1/" not in out
 
 
+def test_cli_beams_print_the_prompt_logprobs_too(tiny, capsys):
+  model, path = tiny
+  code, out, _ = run_cli(capsys, "generate", "Hi", "--model", path, "--beams", "2",
+                         "--max-new-tokens", "2", "--prompt-logprobs")
+  expected = generate(["Hi"], model=model, max_new_tokens=2, beam_size=2, num_return=1,
+                      prompt_logprobs=True).prompt_logprobs[0]
+  assert code == 0
+  assert f"    prompt log-probability {float(expected.sum()):.4f} over 2 tokens" in out
+
+
 DRAFT_CONFIG = TransformerConfig(d_model=16, n_layers=1, n_heads=1, d_ff=32, max_len=64)
 
 

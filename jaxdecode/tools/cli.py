@@ -210,14 +210,14 @@ def _generate(args) -> None:
         print(prompt + out.texts[row])
         if args.top_logprobs:
           print(_top_table(out, row))
-      if args.prompt_logprobs:
-        lp = out.prompt_logprobs[i]
-        print(f"    prompt log-probability {float(lp.sum()):.4f} over {lp.size} tokens")
-      continue
-    for r, (beam_text, score) in enumerate(zip(out.beams[i], out.scores[i])):
-      rank = f" beam {r + 1}/{args.num_return}" if args.num_return > 1 else ""
-      print(f"--- [{i + 1}] {prompt!r}{rank} score {score:.4f}")
-      print(prompt + beam_text)
+    else:
+      for r, (beam_text, score) in enumerate(zip(out.beams[i], out.scores[i])):
+        rank = f" beam {r + 1}/{args.num_return}" if args.num_return > 1 else ""
+        print(f"--- [{i + 1}] {prompt!r}{rank} score {score:.4f}")
+        print(prompt + beam_text)
+    if args.prompt_logprobs:
+      lp = out.prompt_logprobs[i]
+      print(f"    prompt log-probability {float(lp.sum()):.4f} over {lp.size} tokens")
   if beams is None:
     settings = ("greedy" if args.greedy else
                 f"temperature={temperature:g} top_k={args.top_k} top_p={top_p:g} "
