@@ -259,3 +259,23 @@ def test_the_audit_command_runs_both_modes_on_a_checkpoint(tmp_path, capsys):
   code = cli.main(["audit", "--model", path, "--max-batch", "1"])
   err = capsys.readouterr().err
   assert code == 2 and "--max-batch must be at least 2" in err and len(err.splitlines()) == 1
+
+
+def test_the_audit_command_names_the_steps_that_do_not_fit_and_a_negative_seed(tmp_path,
+                                                                               capsys):
+  from jaxdecode.models import save_checkpoint  # pylint: disable=import-outside-toplevel
+  from jaxdecode.tools import cli  # pylint: disable=import-outside-toplevel
+  tiny = TransformerConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=192)
+  path = str(tmp_path / "tiny.msgpack")
+  save_checkpoint(path, tiny, nnx.split(Transformer(tiny, rngs=nnx.Rngs(0)))[1])
+  # The audit's prompts are cut from the pydoc topics, 4..121 tokens, padded to a bucket.
+  widest = max(len(p) for p in cli.audit_prompts(16, 0))
+  width = min(b for b in (8, 16, 32, 64, 128) if b >= widest)
+  for argv, message in [
+      (["--steps", "100"], f"--steps 100 does not fit: the audit's prompts take up to {width} "
+                           f"tokens (padded) of the model's context of 192; use --steps "
+                           f"{192 - width} or fewer"),
+      (["--seed", "-1"], "--seed must be at least 0 for the audit")]:
+    code = cli.main(["audit", "--model", path, "--mixes", "1", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err

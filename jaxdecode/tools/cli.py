@@ -25,6 +25,7 @@ from jaxdecode import models
 from jaxdecode.invariance import audit as invariance_audit
 from jaxdecode.models import training
 from jaxdecode.params import SamplingParams
+from jaxdecode.prompts import bucket_length
 from jaxdecode.tools import bench
 from jaxdecode.tools import sweep
 from jaxdecode.tools._args import OneLineParser, integer, number, positive_int, seed
@@ -348,9 +349,13 @@ def _audit(args) -> None:
   if args.max_batch < 2:
     raise ValueError(f"--max-batch must be at least 2 (a needle and a partner); got "
                      f"{args.max_batch}")
+  if args.seed < 0:
+    raise ValueError(f"--seed must be at least 0 for the audit (it seeds numpy's mixes); got "
+                     f"{args.seed}")
   if args.model is not None:
     _files.read_input(args.model, "checkpoint")
   prompts = audit_prompts(max(8, args.max_batch), args.seed)
+  width = bucket_length(max(len(p) for p in prompts))  # the widest batch, padded
   print(f"jaxdecode audit: {args.mixes} random mixes per mode (batches of 2..{args.max_batch}, "
         f"random slots and partners), {args.steps} greedy steps, on {jax.default_backend()}")
   summary = []
@@ -359,6 +364,12 @@ def _audit(args) -> None:
       model = models.load_default(batch_invariant=invariant)[0]
     else:
       model = models.load_checkpoint(args.model, batch_invariant=invariant)[0]
+    context = model.config.max_len
+    if width + args.steps > context:
+      hint = (f"use --steps {context - width} or fewer" if context > width else
+              "use a model with a longer context")
+      raise ValueError(f"--steps {args.steps} does not fit: the audit's prompts take up to "
+                       f"{width} tokens (padded) of the model's context of {context}; {hint}")
     step_fn = models.make_step_fn(nnx.graphdef(model))
     report = invariance_audit(models.batch_prefill(model, extra=args.steps), step_fn, prompts,
                               steps=args.steps, mixes=args.mixes, max_batch=args.max_batch,
