@@ -444,11 +444,11 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
   chunk_size = _checks.integer("chunk_size", chunk_size, low=1)
   early_stopping = _checks.early_stopping(early_stopping)
   params = SamplingParams() if params is None else params
+  eos = _checks.token_ids("eos_ids", eos_ids, vocab, many=True)
   params, counts = processors.check_call(logits, params, counts, caller="beam_search",
-                                         loop=True)
+                                         loop=True, eos_ids=eos)
   counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
   positions = _checks.row_integers("positions", positions, batch, "one per row of the logits")
-  eos = _checks.token_ids("eos_ids", eos_ids, vocab, many=True)
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
   axes = leaf_axes(state_axes, state, batch)
   return _beam_search_jit(step_fn, state, jnp.asarray(logits), params, positions, eos, pad,

@@ -279,14 +279,15 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
   chunk_size = _checks.integer("chunk_size", chunk_size, low=1)
   top_logprobs = _checks.top_logprobs(top_logprobs, vocab)
   logprobs_mode = _checks.logprobs_mode(logprobs_mode)
-  params, counts = processors.check_call(logits, params, counts, caller="decode", loop=True)
+  eos = _checks.token_ids("eos_ids", eos_ids, vocab, many=True)
+  params, counts = processors.check_call(logits, params, counts, caller="decode", loop=True,
+                                         eos_ids=eos)
   _checks.key(key, batch)
   # Token counts for the penalties, always carried (zeros by default) so that neither turning a
   # penalty on nor passing counts recompiles: an in-place update of B entries per step, read
   # only when a penalty is set.
   counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
   positions = _checks.row_integers("positions", positions, batch, "one per row of the logits")
-  eos = _checks.token_ids("eos_ids", eos_ids, vocab, many=True)
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
   return _decode_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad, counts,
                      loop.as_processors(logits_processors), max_new_tokens=max_new_tokens,

@@ -511,6 +511,42 @@ def _check_allowed_not_all_banned(banned: np.ndarray, allowed: np.ndarray, vocab
                        f"be selected; remove some from banned_token_ids")
 
 
+def check_eos_not_forced(params: SamplingParams, eos_ids, vocab: int) -> None:
+  """Raises ValueError if a row with `min_new_tokens` > 0 can select nothing but EOS ids.
+
+  The loops mask the EOS ids until a row has `min_new_tokens` new tokens; a row whose allowed
+  tokens (the whole vocabulary without allowed_token_ids) less its banned ones are all EOS ids
+  would have nothing to select then (the sampler would return token 0 with a NaN
+  log-probability). Concrete values only: traced params or ids are not checked.
+
+  Args:
+    params: `SamplingParams` whose token ids were checked against the vocabulary.
+    eos_ids: the loop's EOS ids.
+    vocab: V.
+  """
+  host = params._host  # pylint: disable=protected-access
+  if host is None or not _is_concrete(eos_ids) or not np.any(host.min_new_tokens > 0):
+    return
+  eos = np.asarray(eos_ids).reshape(-1)
+  eos = set(eos[(eos >= 0) & (eos < vocab)].tolist())
+  allowed, banned = np.asarray(host.allowed_token_ids), np.asarray(host.banned_token_ids)
+  if not eos or (not np.any(allowed >= 0) and banned.shape[-1] + len(eos) < vocab):
+    return  # every row has a token that is not an EOS id
+  min_new = np.asarray(host.min_new_tokens)
+  rows = max(allowed.shape[0] if allowed.ndim == 2 else 1,
+             banned.shape[0] if banned.ndim == 2 else 1, min_new.size)
+  allowed = np.broadcast_to(allowed, (rows, allowed.shape[-1]))
+  banned = np.broadcast_to(banned, (rows, banned.shape[-1]))
+  min_new = np.broadcast_to(min_new, (rows,))
+  for b in np.flatnonzero(min_new > 0):
+    left = set(allowed[b][allowed[b] >= 0].tolist()) or set(range(vocab))
+    left -= set(banned[b].tolist())
+    if left and left <= eos:
+      raise ValueError(f"row {b} can select only EOS ids ({sorted(left)}), which "
+                       f"min_new_tokens={min_new[b]} masks for its first {min_new[b]} tokens: "
+                       f"nothing could be selected; allow other tokens or lower min_new_tokens")
+
+
 _BY_NAME = {f.name: f for f in _FIELDS}
 
 

@@ -58,7 +58,7 @@ from jax import lax
 from jaxdecode import _checks
 from jaxdecode import _reduce
 from jaxdecode import threshold
-from jaxdecode.params import SamplingParams, as_field
+from jaxdecode.params import SamplingParams, as_field, check_eos_not_forced
 
 _NEG_INF = threshold.NEG_INF
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
@@ -77,15 +77,18 @@ def check_row_param(name: str, value, batch_size: int) -> jax.Array:
   return jnp.broadcast_to(value, (batch_size,))
 
 
-def check_call(logits, params, counts, *, caller: str, loop: bool = False):
+def check_call(logits, params, counts, *, caller: str, loop: bool = False, eos_ids=None):
   """The checks shared by `process_logits`, the samplers and the loops, before anything compiles.
 
   Returns `(params broadcast to the batch, int32 counts or None)`. A loop (`loop=True`) carries
-  its own counts, so a penalty without `counts` is fine there.
+  its own counts, so a penalty without `counts` is fine there; it passes its checked `eos_ids`,
+  and no row may then have nothing but EOS ids to select while `min_new_tokens` masks them.
   """
   batch, vocab = _checks.logits(logits)
   _checks.instance("params", params, SamplingParams, "a jaxdecode.SamplingParams")
   broadcast = params.broadcast(batch, vocab)
+  if eos_ids is not None:
+    check_eos_not_forced(params, eos_ids, vocab)
   if counts is not None:
     counts = _checks.counts(counts, batch, vocab)
   elif params.has_penalty() and not loop:

@@ -261,12 +261,12 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
   if not callable(getattr(drafter, "propose", None)):
     raise ValueError(f"drafter must have a propose(context, num_draft_tokens) method (e.g. "
                      f"jaxdecode.NgramDrafter); got {type(drafter).__name__}")
+  eos = _checks.token_ids("eos_ids", eos_ids, vocab, many=True)
   params, counts = processors.check_call(logits, params, counts, caller="speculative_decode",
-                                         loop=True)
+                                         loop=True, eos_ids=eos)
   _checks.key(key, batch)
   counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
   positions = _checks.row_integers("positions", positions, batch, "one per row of the logits")
-  eos = _checks.token_ids("eos_ids", eos_ids, vocab, many=True)
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
   return _speculative_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad,
                           counts, loop.as_processors(logits_processors), drafter,

@@ -396,6 +396,36 @@ def test_min_new_tokens_masks_eos_until_that_many_tokens_exist():
   assert int(out.lengths[0]) == 1  # min_new_tokens 0 changes nothing
 
 
+def test_min_new_tokens_with_nothing_but_eos_selectable_raises_in_every_loop():
+  """A row that allows only EOS ids would have nothing to select while min_new_tokens masks
+  them: the sampler would return token 0, which the row does not allow, with a NaN
+  log-probability."""
+  logits, state, positions = toy_model.prefill(TABLE, PROMPTS[:2])
+  eos = [4, 6]
+  args = dict(max_new_tokens=3, positions=positions, eos_ids=eos)
+  key = jax.random.key(0)
+  only_eos = SamplingParams(allowed_token_ids=[[1, 4], [6, 4]], min_new_tokens=2)
+  drafter = jaxdecode.NgramDrafter(*jaxdecode.right_pad(PROMPTS[:2], buckets=None))
+  calls = {
+      "decode": lambda p: decoding.decode(STEP, state, logits, params=p, key=key, **args),
+      "speculative_decode": lambda p: jaxdecode.speculative_decode(
+          STEP, state, logits, params=p, key=key, drafter=drafter, **args),
+      "beam_search": lambda p: jaxdecode.beam_search(STEP, state, logits, params=p,
+                                                     beam_size=2, **args)}
+  for name, call in calls.items():
+    with pytest.raises(ValueError, match=r"row 1 can select only EOS ids \(\[4, 6\]\), which "
+                                         r"min_new_tokens=2 masks"):
+      call(only_eos)
+  # Banning every other token leaves only EOS ids too.
+  banned = SamplingParams(banned_token_ids=[0, 1, 2, 3, 5, 7, 8, 9, 10, 11, 12],
+                          min_new_tokens=[0, 1])
+  with pytest.raises(ValueError, match=r"row 1 can select only EOS ids \(\[4, 6\]\)"):
+    calls["decode"](banned)
+  # Without min_new_tokens such a row is fine: it ends at once, with an EOS id.
+  out = calls["decode"](SamplingParams(allowed_token_ids=[[1, 4], [6, 4]]))
+  assert out.tokens[1, 0] in eos and out.lengths[1] == 1 and np.isfinite(out.logprobs[1, 0])
+
+
 @pytest.mark.slow
 def test_decode_does_not_retrace_when_control_values_change():
   traces = []

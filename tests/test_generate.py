@@ -373,6 +373,8 @@ SHORT_DRAFT_CONFIG = TransformerConfig(d_model=16, n_layers=1, n_heads=1, d_ff=3
     (dict(params=jaxdecode.SamplingParams(top_k=[1, 2, 3]), n=2),
      "top_k has shape (3,) but the batch has 2 rows"),
     (dict(draft="short"), "the draft model's context (8 tokens) is shorter than the prompts"),
+    (dict(params=jaxdecode.SamplingParams(allowed_token_ids=[TOK.EOS], min_new_tokens=2)),
+     "row 0 can select only EOS ids ([257]), which min_new_tokens=2 masks"),
 ])
 def test_generate_refuses_bad_values_before_the_prefill(tiny, no_prefill, kwargs, fragment):
   model, _ = tiny

@@ -18,7 +18,7 @@ from jaxdecode.models import extras
 from jaxdecode.models.checkpoint import load_default
 from jaxdecode.models.tokenizer import ByteTokenizer
 from jaxdecode.models.transformer import DECODE_STATE_AXES, Transformer, make_step_fn, prefill
-from jaxdecode.params import SamplingParams
+from jaxdecode.params import SamplingParams, check_eos_not_forced
 from jaxdecode.processors import token_counts
 from jaxdecode.prompts import bucket_length, right_pad
 from jaxdecode.speculative import ModelDrafter, NgramDrafter, speculative_decode
@@ -280,6 +280,7 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
                      f"longer max_len or draft='ngram'")
   # Per-row values and token ids against the prompts and the vocabulary, before the prefill.
   params.broadcast(len(prompts), model.config.vocab_size)
+  check_eos_not_forced(params, [tokenizer.EOS], model.config.vocab_size)
   started = time.perf_counter()
   tokens, lengths = right_pad(ids, pad_id=tokenizer.PAD, width=width)
   graphdef, weights = nnx.split(model)
