@@ -45,7 +45,7 @@ def joined(chunks, rows):
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(n=0), "n must be an integer >= 1; got 0"),
+    (dict(n=0), r"n must be an integer in \[1, 2147483647\]; got 0"),
     (dict(n=1.5), "n must be"),
     (dict(top_logprobs=21), r"top_logprobs must be an integer in \[1, 20\].*got 21"),
     (dict(top_logprobs=-1), "top_logprobs must be .* got -1"),

@@ -373,6 +373,7 @@ SHORT_DRAFT_CONFIG = TransformerConfig(d_model=16, n_layers=1, n_heads=1, d_ff=3
     (dict(params=jaxdecode.SamplingParams(top_k=[1, 2, 3]), n=2),
      "top_k has shape (3,) but the batch has 2 rows"),
     (dict(draft="short"), "the draft model's context (8 tokens) is shorter than the prompts"),
+    (dict(n=2**30), "n must be an integer in [1, 1073741823]; got 1073741824"),
     (dict(params=jaxdecode.SamplingParams(allowed_token_ids=[TOK.EOS], min_new_tokens=2)),
      "row 0 can select only EOS ids ([257]), which min_new_tokens=2 masks"),
 ])
@@ -415,6 +416,7 @@ def test_cli_draft_prints_the_same_text_and_the_acceptance(tiny, capsys):
     (["generate", "x", "--draft", "ngram", "--beams", "2"], "--draft and --beams exclude"),
     (["generate", "x", "--draft", "/no/such.msgpack"], "does not exist"),
     (["generate", "x", "--draft", "ngram", "--num-draft-tokens", "17"], "num_draft_tokens must"),
+    (["generate", "x", "-n", "100000000000"], "n must be an integer in [1, 2147483647]"),
     (["eval", "/no/such/file"], "does not exist"),
     (["bogus"], "invalid choice: 'bogus'"),
 ])

@@ -247,7 +247,8 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
   prompt once and copies its rows n times. Returns a `Prepared`."""
   prompts = _checks.text_prompts(prompts)
   max_new_tokens = _checks.integer("max_new_tokens", max_new_tokens, low=1)
-  n = _checks.integer("n", n, low=1)
+  # Rows (prompts · n) are indexed in int32.
+  n = _checks.integer("n", n, low=1, high=np.iinfo(np.int32).max // len(prompts))
   stop = _checks.stop_strings(stop)
   include_stop = _checks.boolean("include_stop", include_stop)
   top_logprobs = _checks.top_logprobs(top_logprobs)
