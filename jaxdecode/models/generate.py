@@ -162,8 +162,10 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
 
   Raises:
     ValueError: for an empty prompt list or prompt, a prompt that with `max_new_tokens` does
-      not fit the model's context (`config.max_len`), n < 1, top_logprobs outside 1..20, an
-      empty stop string, an unknown logprobs_mode, or options that exclude each other.
+      not fit the model's context (`config.max_len`), n < 1 (or more rows than int32 holds),
+      top_logprobs outside 1..20, an empty stop string, an unknown logprobs_mode, params that
+      leave a row nothing to select, or options that exclude each other; all before the
+      prompts are prefilled.
   """
   if beam_size is not None:
     _checks.beam_options(beam_size, num_return, length_penalty)
