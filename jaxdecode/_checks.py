@@ -23,6 +23,11 @@ def is_traced(x) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
+# A seed becomes `jax.random.key(seed)`, whose key data holds 32 bits without jax's 64-bit mode:
+# seeds 2**32 and 0 (or -1 and 2**32 - 1) would give the same key, so only [0, 2**32) is allowed.
+MAX_SEED = 2**32 - 1
+
+
 def integer(name: str, value, *, low: int | None = None, high: int | None = None) -> int:
   """A Python int in [low, high] (either bound optional); booleans are refused.
 

@@ -375,7 +375,14 @@ def test_lists_are_accepted_or_refused_with_value_errors():
 
 def test_cli_huge_seed_is_one_line(capsys):
   code, _, err = run_cli(capsys, "generate", "x", "--seed", "99999999999999999999")
-  one_line_error(code, err, "expected a seed in [-2**63, 2**63)")
+  one_line_error(code, err, "expected a seed in [0, 2**32)")
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_cli_seeds_that_would_share_a_key_are_refused(capsys, seed):
+  # jax.random.key keeps 32 bits here: -1 would be 2**32 - 1's key, and 2**32 would be 0's.
+  code, _, err = run_cli(capsys, "generate", "x", "--seed", seed)
+  one_line_error(code, err, "expected a seed in [0, 2**32)")
 
 
 def test_cli_invalid_utf8_prompt_is_one_clear_line(capsys):

@@ -275,7 +275,7 @@ def test_the_audit_command_names_the_steps_that_do_not_fit_and_a_negative_seed(t
       (["--steps", "100"], f"--steps 100 does not fit: the audit's prompts take up to {width} "
                            f"tokens (padded) of the model's context of 192; use --steps "
                            f"{192 - width} or fewer"),
-      (["--seed", "-1"], "--seed must be at least 0 for the audit")]:
+      (["--seed", "-1"], "argument --seed: expected a seed in [0, 2**32), got -1")]:
     code = cli.main(["audit", "--model", path, "--mixes", "1", *argv])
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.splitlines()) == 1, err

@@ -118,7 +118,7 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
     prompts: non-empty strings.
     model: a `Transformer` (default: the embedded model, `load_default()`).
     params: `SamplingParams` (default: temperature 1); scalars or one value per prompt.
-    seed: used when `key` is None: `key = jax.random.key(seed)`.
+    seed: used when `key` is None: `key = jax.random.key(seed)`, an integer in [0, 2**32).
     key: one key (row r uses `fold_in(key, r)`) or one key per prompt.
     max_new_tokens: the most tokens to generate per prompt (EOS may stop a row earlier).
     tokenizer: the byte tokenizer (default `ByteTokenizer()`).
@@ -264,7 +264,7 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
   _checks.instance("params", params, SamplingParams, "a jaxdecode.SamplingParams")
   _check_draft(draft, num_draft_tokens, model, beam_size)
   if key is None:
-    key = jax.random.key(_checks.integer("seed", seed, low=-2**63, high=2**63 - 1))
+    key = jax.random.key(_checks.integer("seed", seed, low=0, high=_checks.MAX_SEED))
   _checks.key(key, len(prompts))
 
   context = model.config.max_len

@@ -121,7 +121,7 @@ class TrainConfig:
     for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_tokens"):
       _checks.integer(name, getattr(self, name), low=1)
     _checks.integer("warmup_steps", self.warmup_steps, low=0)
-    _checks.integer("seed", self.seed)
+    _checks.integer("seed", self.seed, low=0, high=_checks.MAX_SEED)
     for name in ("peak_lr", "weight_decay", "clip_norm"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not (

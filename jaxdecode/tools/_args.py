@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from jaxdecode import _checks
+
 
 class OneLineParser(argparse.ArgumentParser):
   """argparse that reports a bad command line in one line (exit status 2)."""
@@ -47,11 +49,11 @@ def number(text: str) -> float:
 
 
 def seed(text: str) -> int:
-  """A PRNG seed: an integer that fits int64 (what `jax.random.key` takes)."""
+  """A PRNG seed: an integer in [0, 2**32), where every seed gives its own key."""
   try:
     value = int(text)
   except ValueError:
     raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
-  if not -2**63 <= value < 2**63:
-    raise argparse.ArgumentTypeError(f"expected a seed in [-2**63, 2**63), got {text}")
+  if not 0 <= value <= _checks.MAX_SEED:
+    raise argparse.ArgumentTypeError(f"expected a seed in [0, 2**32), got {text}")
   return value

@@ -349,9 +349,6 @@ def _audit(args) -> None:
   if args.max_batch < 2:
     raise ValueError(f"--max-batch must be at least 2 (a needle and a partner); got "
                      f"{args.max_batch}")
-  if args.seed < 0:
-    raise ValueError(f"--seed must be at least 0 for the audit (it seeds numpy's mixes); got "
-                     f"{args.seed}")
   if args.model is not None:
     _files.read_input(args.model, "checkpoint")
   prompts = audit_prompts(max(8, args.max_batch), args.seed)

@@ -195,7 +195,7 @@ def run_sweep(out_dir, *, quick: bool = False, seed: int = 0, prompts: Sequence[
   """
   started = time.perf_counter()
   say = progress or (lambda line: None)
-  seed = _checks.integer("seed", seed, low=0, high=2**63 - 1)
+  seed = _checks.integer("seed", seed, low=0, high=_checks.MAX_SEED)
   prompts = _checks.text_prompts((QUICK_PROMPTS if quick else PROMPTS) if prompts is None
                                  else prompts)
   if max_new_tokens is None:
