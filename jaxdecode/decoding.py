@@ -2,7 +2,7 @@
 
 It is the loop skeleton of `jaxdecode.loop` with one model call per step: step 0 draws from the
 prefill logits; step t >= 1 feeds each row's token t - 1 to `step_fn` and draws from the logits
-it returns. So N new tokens cost N - 1 model calls.
+it returns. So N new tokens cost N - 1 model calls (one loop body for all N steps).
 """
 
 from __future__ import annotations
@@ -150,9 +150,9 @@ def draw_and_record(spec: loop.LoopSpec, s: loop.LoopState, top: TopState | None
 
 
 def start(spec: loop.LoopSpec, model_state, logits, counts, max_new_tokens: int, *,
-          top_logprobs: int = 0, logprobs_mode: str = "processed"):
-  """The loop's carry `(LoopState, TopState | None)` after step 0, drawn from the prefill's
-  logits (no model call); `first_step` with the options of `decode`."""
+          top_logprobs: int = 0):
+  """The loop's carry before step 0: `(LoopState, TopState | None, float32 logits [B, V])`,
+  the logits being the prefill's, which step 0 draws from (see `make_advance`)."""
   s = loop.init_state(spec, model_state, counts, max_new_tokens)
   top = None
   if top_logprobs:
@@ -160,28 +160,42 @@ def start(spec: loop.LoopSpec, model_state, logits, counts, max_new_tokens: int,
     top = TopState(tokens=jnp.full((batch, max_new_tokens, top_logprobs), spec.pad_id,
                                    jnp.int32),
                    logprobs=jnp.zeros((batch, max_new_tokens, top_logprobs), jnp.float32))
-  return draw_and_record(spec, s, top, logits, jnp.zeros(logits.shape[:1], jnp.int32),
-                         top_logprobs=top_logprobs, logprobs_mode=logprobs_mode)
+  # float32 is exact for every float dtype the chain takes: it begins by casting to float32.
+  return s, top, logits.astype(jnp.float32)
 
 
 def make_advance(step_fn, spec: loop.LoopSpec, *, top_logprobs: int = 0,
                  logprobs_mode: str = "processed"):
-  """`advance((s, top), t) -> (s, top)`: step t >= 1 of `decode`, feed token t - 1, draw
-  token t (shared by `decode` and `jaxdecode.models.stream`)."""
+  """`advance((s, top, logits), t) -> (s, top, logits)`: step t of `decode` (shared by `decode`
+  and `jaxdecode.models.stream`). For t >= 1 token t - 1 is fed to `step_fn` and its logits
+  replace the carried ones; step 0 draws from the carried prefill logits. No model call either
+  once every row has finished (the rest of a chunk then costs no model time). Then token t is
+  drawn and recorded.
+
+  One loop body for every step, step 0 included, so the program holds the processor chain
+  once: compiling it is most of a decode program's compile time.
+  """
 
   def advance(carry, t):
-    s, top = carry
-    logits, model_state = step_fn(s.model_state, s.last, spec.positions + t - 1)
+    s, top, logits = carry
+
+    def call_model(model_state):
+      new_logits, model_state = step_fn(model_state, s.last, spec.positions + t - 1)
+      return new_logits.astype(jnp.float32), model_state
+
+    logits, model_state = lax.cond((t > 0) & jnp.any(s.live), call_model,
+                                   lambda m: (logits, m), s.model_state)
     s = s.replace(model_state=model_state)
-    return draw_and_record(spec, s, top, logits, jnp.full(s.last.shape, t, jnp.int32),
-                           top_logprobs=top_logprobs, logprobs_mode=logprobs_mode)
+    s, top = draw_and_record(spec, s, top, logits, jnp.full(s.last.shape, t, jnp.int32),
+                             top_logprobs=top_logprobs, logprobs_mode=logprobs_mode)
+    return s, top, logits
 
   return advance
 
 
 def output(carry) -> DecodeOutput:
-  """The `DecodeOutput` of a loop carry `(LoopState, TopState | None)`."""
-  s, top = carry
+  """The `DecodeOutput` of a loop carry `(LoopState, TopState | None, logits)`."""
+  s, top, _ = carry
   return DecodeOutput(s.tokens, s.logprobs, s.lengths, s.finished, s.model_state,
                       top_tokens=None if top is None else top.tokens,
                       top_logprobs=None if top is None else top.logprobs)
@@ -196,10 +210,9 @@ def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, cou
   check_step_output(jax.eval_shape(step_fn, state, jnp.zeros(batch, jnp.int32), positions),
                     state, (batch, vocab))
   loop.check_processors(spec, batch, vocab, max_new_tokens)
-  options = dict(top_logprobs=top_logprobs, logprobs_mode=logprobs_mode)
-  carry = start(spec, state, logits, counts, max_new_tokens, **options)
-  carry = loop.run_chunks(make_advance(step_fn, spec, **options), carry, first=1,
-                          rounds=max_new_tokens - 1, chunk=chunk_size,
+  carry = start(spec, state, logits, counts, max_new_tokens, top_logprobs=top_logprobs)
+  advance = make_advance(step_fn, spec, top_logprobs=top_logprobs, logprobs_mode=logprobs_mode)
+  carry = loop.run_chunks(advance, carry, first=0, rounds=max_new_tokens, chunk=chunk_size,
                           done=lambda c: loop.all_done(c[0]))
   return output(carry)
 

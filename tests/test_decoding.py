@@ -116,19 +116,34 @@ def test_no_eos_ids_means_every_row_runs_to_max_new_tokens():
 
 @pytest.mark.slow
 def test_a_finished_batch_skips_the_remaining_chunks():
+  steps_run = []  # one entry per loop step executed, counted by a user processor
+
+  def count_steps(logits, context):
+    jax.debug.callback(lambda: steps_run.append(1))
+    return logits
+
+  def run(**kwargs):
+    steps_run.clear()
+    out = decoding.decode(STEP, state, logits, key=jax.random.key(0), positions=positions,
+                          logits_processors=[count_steps], **kwargs)
+    jax.block_until_ready(out.tokens)
+    jax.effects_barrier()
+    return out, len(steps_run)
+
   logits, state, positions = toy_model.prefill(TABLE, PROMPTS)
   eos = list(range(VOCAB))  # every token is an EOS: all rows finish at step 0
-  out = decoding.decode(STEP, state, logits, key=jax.random.key(0), params=SamplingParams(),
-                        max_new_tokens=50, positions=positions, eos_ids=eos, chunk_size=8)
+  out, steps = run(params=SamplingParams(), max_new_tokens=50, eos_ids=eos, chunk_size=8)
   assert out.lengths.tolist() == [1] * len(PROMPTS)
-  assert int(out.state["calls"]) == 0
-  # Greedy rows whose first EOS comes at step s stop after the chunk holding s.
-  out = decoding.decode(STEP, state, logits, key=jax.random.key(0),
-                        params=SamplingParams(temperature=0.0), max_new_tokens=200,
-                        positions=positions, eos_ids=[4, 9, 2], chunk_size=4)
+  assert int(out.state["calls"]) == 0  # no model call once every row has finished
+  assert steps == 8  # the loop stopped after its first chunk (steps 0 to 7), not after 50
+  # Greedy rows whose last EOS comes at step s: the model is called at steps 1 .. s, and the
+  # loop stops after the chunk of 4 steps that holds step s.
+  out, steps = run(params=SamplingParams(temperature=0.0), max_new_tokens=200, eos_ids=[4, 9, 2],
+                   chunk_size=4)
   last = int(out.lengths.max())
   assert out.finished.all() and last < 100
-  assert int(out.state["calls"]) == 4 * -(-(last - 1) // 4)
+  assert int(out.state["calls"]) == last - 1
+  assert steps == 4 * -(-last // 4)
 
 
 def test_new_values_of_the_same_shapes_do_not_retrace():

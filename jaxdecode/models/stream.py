@@ -106,21 +106,22 @@ def _chunks(batch, max_new_tokens: int, chunk_size: int) -> Iterator[StreamChunk
   counts = jnp.zeros(batch.logits.shape, jnp.int32) if counts is None else counts
   inputs = (batch.key, params, batch.lengths, jnp.asarray([tok.EOS], jnp.int32),
             jnp.asarray(tok.PAD, jnp.int32))
-  s = _start(step_fn, batch.state, batch.logits, counts, *inputs,
-             max_new_tokens=max_new_tokens)
+  carry = _start(step_fn, batch.state, batch.logits, counts, *inputs,
+                 max_new_tokens=max_new_tokens)
   rows = [extras.RowText(batch.stop, batch.include_stop) for _ in range(batch.logits.shape[0])]
   seen = np.zeros(len(rows), np.int64)
   t = 1
   while True:
     following = None
-    if t < max_new_tokens:  # dispatched now, runs while the host decodes `s`
-      following = _chunk(step_fn, s, *inputs, jnp.int32(t), chunk_size=chunk_size)
+    if t < max_new_tokens:  # dispatched now, runs while the host decodes `carry`
+      following = _chunk(step_fn, carry, *inputs, jnp.int32(t), chunk_size=chunk_size)
+    s = carry[0]
     tokens, lengths, finished = jax.device_get((s.tokens, s.lengths, s.finished))
     chunk = _texts(rows, seen, tokens, lengths, finished, max_new_tokens)
     yield chunk
     if chunk.done.all() or following is None:
       return
-    s, t = following, t + chunk_size
+    carry, t = following, t + chunk_size
 
 
 def _texts(rows, seen, tokens, lengths, finished, max_new_tokens: int) -> StreamChunk:
@@ -142,18 +143,22 @@ def _texts(rows, seen, tokens, lengths, finished, max_new_tokens: int) -> Stream
 
 @functools.partial(jax.jit, static_argnames=("step_fn", "max_new_tokens"))
 def _start(step_fn, state, logits, counts, key, params, positions, eos, pad, *,
-           max_new_tokens: int) -> loop.LoopState:
-  """`decode`'s step 0 (from the prefill's logits): the loop state before the first chunk."""
+           max_new_tokens: int):
+  """`decode`'s step 0 (from the prefill's logits): the carry `(LoopState, float32 logits)`
+  before the first chunk."""
   batch, vocab = logits.shape
   spec = decoding.make_spec(key, params, positions, eos, pad, (), batch=batch, vocab=vocab)
-  return decoding.start(spec, state, logits, counts, max_new_tokens)[0]
+  carry = decoding.start(spec, state, logits, counts, max_new_tokens)
+  s, _, logits = decoding.make_advance(step_fn, spec)(carry, jnp.int32(0))
+  return s, logits
 
 
 @functools.partial(jax.jit, static_argnames=("step_fn", "chunk_size"))
-def _chunk(step_fn, s: loop.LoopState, key, params, positions, eos, pad, first, *,
-           chunk_size: int) -> loop.LoopState:
+def _chunk(step_fn, carry, key, params, positions, eos, pad, first, *, chunk_size: int):
   """Steps first .. first + chunk_size - 1 of `decode`'s loop (one program for every chunk:
-  `first` is traced). Steps past a row's end record nothing, as in `decode`."""
+  `first` is traced) on the carry `(LoopState, logits)`. Steps past a row's end record nothing,
+  as in `decode`."""
+  s, logits = carry
   batch, vocab = s.counts.shape
   spec = decoding.make_spec(key, params, positions, eos, pad, (), batch=batch, vocab=vocab)
   advance = decoding.make_advance(step_fn, spec)
@@ -161,5 +166,6 @@ def _chunk(step_fn, s: loop.LoopState, key, params, positions, eos, pad, first, 
   def body(carry, t):
     return advance(carry, t), None
 
-  carry, _ = lax.scan(body, (s, None), first + jnp.arange(chunk_size, dtype=jnp.int32))
-  return carry[0]
+  (s, _, logits), _ = lax.scan(body, (s, None, logits),
+                               first + jnp.arange(chunk_size, dtype=jnp.int32))
+  return s, logits
