@@ -94,13 +94,6 @@ def make_spec(key, params: SamplingParams, positions, eos_ids, pad_id, logits_pr
                        logits_processors=logits_processors)
 
 
-def first_step(spec: loop.LoopSpec, model_state, logits, counts, max_new_tokens: int):
-  """The loop state after step 0, drawn from the prefill's logits (no model call)."""
-  s = loop.init_state(spec, model_state, counts, max_new_tokens)
-  token, logprob = loop.draw(spec, s, logits, jnp.zeros(logits.shape[:1], jnp.int32))
-  return loop.record(spec, s, token, logprob)
-
-
 def score(logits, processed, token, logprob, *, top_logprobs: int, logprobs_mode: str):
   """The chosen tokens' log-probabilities in `logprobs_mode` and the top-K lists.
 

@@ -38,7 +38,7 @@ from jax import lax
 from jaxdecode import _checks
 from jaxdecode import loop
 from jaxdecode import processors
-from jaxdecode.decoding import DecodeOutput, check_step_output, first_step, make_spec
+from jaxdecode.decoding import DecodeOutput, check_step_output, make_spec
 from jaxdecode.params import SamplingParams
 
 
@@ -198,26 +198,45 @@ def _speculative(step_fn, state, logits, key, params, positions, eos_ids, pad_id
     match = (j < k) & (token == draft)
     return (s, in_run & match, accepted + (recorded & match), logits, drafts), None
 
-  def advance(carry, _):
-    """One round: propose, one (K + 1)-token model call, draw and accept."""
-    s, drafter, accepted, drafted, calls = carry
+  def call_model(operands):
+    """Propose K drafts and score them: one (K + 1)-token model call."""
+    s, drafter = operands
     at = positions + s.lengths - 1  # the position of each row's newest token
     context = DraftContext(tokens=s.tokens, lengths=s.lengths, last=s.last, positions=at,
                            live=s.live)
     drafts, drafter = drafter.propose(context, k)
     drafts = jnp.asarray(drafts, jnp.int32)
     tokens = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B, K + 1]
-    logits, model_state = step_fn(s.model_state, tokens, at)
-    drafted = drafted + k * s.live
-    init = (s.replace(model_state=model_state), s.live, accepted, logits, drafts)
-    (s, _, accepted, _, _), _ = lax.scan(verify, init, jnp.arange(k + 1, dtype=jnp.int32))
-    return s, drafter, accepted, drafted, calls + 1
+    round_logits, model_state = step_fn(s.model_state, tokens, at)
+    return round_logits.astype(jnp.float32), drafts, drafter, model_state
 
-  s = first_step(spec, state, logits, counts, max_new_tokens)
+  def from_prefill(operands):
+    """Round 0: the prefill's logits at position 0 and drafts that never match (-1), so that
+    only token 0 is drawn; no model call."""
+    s, drafter = operands
+    round_logits = jnp.broadcast_to(prefill_logits[:, None], (batch, k + 1, vocab))
+    return round_logits, jnp.full((batch, k), -1, jnp.int32), drafter, s.model_state
+
+  def advance(carry, r):
+    """Round r: propose, one (K + 1)-token model call, draw and accept. Round 0 draws token 0
+    from the prefill's logits instead (one loop body, so the program holds the processor chain
+    once); a round in which no row is live calls nothing."""
+    s, drafter, accepted, drafted, calls = carry
+    calling = (r > 0) & jnp.any(s.live)
+    round_logits, drafts, drafter, model_state = lax.cond(calling, call_model, from_prefill,
+                                                          (s, drafter))
+    drafted = drafted + k * (s.live & calling)
+    init = (s.replace(model_state=model_state), s.live, accepted, round_logits, drafts)
+    (s, _, accepted, _, _), _ = lax.scan(verify, init, jnp.arange(k + 1, dtype=jnp.int32))
+    return s, drafter, accepted, drafted, calls + calling
+
+  # float32 is exact for every float dtype the chain takes: it begins by casting to float32.
+  prefill_logits = logits.astype(jnp.float32)
+  s = loop.init_state(spec, state, counts, max_new_tokens)
   zeros = jnp.zeros((batch,), jnp.int32)
   carry = (s, drafter, zeros, zeros, jnp.int32(0))
   s, _, accepted, drafted, calls = loop.run_chunks(
-      advance, carry, first=1, rounds=max_new_tokens - 1, chunk=chunk_size,
+      advance, carry, first=0, rounds=max_new_tokens, chunk=chunk_size,
       done=lambda c: loop.all_done(c[0]))
   return SpeculativeOutput(s.tokens, s.logprobs, s.lengths, s.finished, s.model_state,
                            accepted, drafted, calls)
