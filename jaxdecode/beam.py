@@ -186,7 +186,7 @@ def _along(x: jax.Array, index: jax.Array) -> jax.Array:
 
 def beam_step(spec: loop.LoopSpec, s: BeamState, logits: jax.Array, t: jax.Array, *,
               axes: tuple, candidates: int, length_penalty: jax.Array, early_stopping,
-              max_new_tokens: int, reorder_state: bool = True) -> BeamState:
+              max_new_tokens: int) -> BeamState:
   """Step t of the search: candidates from `logits` [B * K, V], new running beams, finalization.
 
   Args:
@@ -199,8 +199,6 @@ def beam_step(spec: loop.LoopSpec, s: BeamState, logits: jax.Array, t: jax.Array
     length_penalty: float32[].
     early_stopping: True, False or "never" (static).
     max_new_tokens: N (static).
-    reorder_state: whether to gather the model state of the new beams' parents (False at step
-      0, where every beam of a row holds the same state).
   """
   batch, beams = s.beam_scores.shape
   vocab = logits.shape[-1]
@@ -219,10 +217,9 @@ def beam_step(spec: loop.LoopSpec, s: BeamState, logits: jax.Array, t: jax.Array
   rows = (jnp.arange(batch, dtype=jnp.int32)[:, None] * beams
           + _along(parent, pick)).reshape(-1)  # [B*K]: each new beam's parent row
   state = s.beams
-  parents = state.replace(**{f: getattr(state, f)[rows] for f in
+  parents = state.replace(model_state=take_beams(state.model_state, rows, axes),
+                          **{f: getattr(state, f)[rows] for f in
                              ("tokens", "logprobs", "lengths", "finished", "counts")})
-  if reorder_state:
-    parents = parents.replace(model_state=take_beams(state.model_state, rows, axes))
   # Running beams never finish: an EOS id only ends the candidates that are finalized.
   keep_going = dataclasses.replace(spec, is_eos=jnp.zeros_like(spec.is_eos))
   new_beams = loop.record(keep_going, parents, _along(token, pick).reshape(-1),
@@ -322,17 +319,27 @@ def _beam_search(step_fn, state, logits, params, positions, eos_ids, pad_id, cou
   step = dict(axes=axes, candidates=candidate_count(k, eos_ids.shape[0], vocab),
               length_penalty=length_penalty, early_stopping=early_stopping, max_new_tokens=n)
 
-  def advance(s: BeamState, t) -> BeamState:
-    """Step t >= 1: feed each beam's token t - 1, then search step t."""
-    out, model_state = step_fn(s.beams.model_state, s.beams.last, spec.positions + t - 1)
-    return beam_step(spec, s.replace(beams=s.beams.replace(model_state=model_state)), out, t,
-                     **step)
+  def advance(carry, t):
+    """Step t: for t >= 1 feed each beam's token t - 1 (its logits replace the carried ones;
+    step 0 searches the carried prefill logits), then search step t. One loop body for every
+    step, so the program holds the processor chain once. Reordering the state at step 0
+    changes nothing (a row's K beams hold the same prefill state)."""
+    s, logits = carry
+
+    def call_model(model_state):
+      out, model_state = step_fn(model_state, s.beams.last, spec.positions + t - 1)
+      return out.astype(jnp.float32), model_state
+
+    logits, model_state = lax.cond(t > 0, call_model, lambda m: (logits, m),
+                                   s.beams.model_state)
+    s = s.replace(beams=s.beams.replace(model_state=model_state))
+    return beam_step(spec, s, logits, t, **step), logits
 
   s = init_state(spec, model_state, counts[beam_row], batch=batch, beam_size=k,
                  max_new_tokens=n)
-  s = beam_step(spec, s, logits[beam_row], jnp.int32(0), reorder_state=False, **step)
-  s = loop.run_chunks(advance, s, first=1, rounds=n - 1, chunk=chunk_size,
-                      done=lambda s: jnp.all(s.done))
+  # float32 is exact for every float dtype the chain takes: it begins by casting to float32.
+  s, _ = loop.run_chunks(advance, (s, logits[beam_row].astype(jnp.float32)), first=0,
+                         rounds=n, chunk=chunk_size, done=lambda c: jnp.all(c[0].done))
   r = num_return
   return BeamOutput(tokens=s.final_tokens[:, :r], scores=s.final_scores[:, :r],
                     lengths=s.final_lengths[:, :r], finished=s.final_eos[:, :r],

@@ -6,7 +6,6 @@ size, N, early_stopping, shapes) and varies the traced values (length penalty, p
 """
 
 import itertools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -152,9 +151,9 @@ def test_num_return_gives_the_best_r_and_the_loop_stops_after_the_chunk_where_al
     assert_matches(out, row, hyps[:2], eos_ids=eos_ids)
     last = max(last, closed)
   assert 1 < last < n - 2  # rows close early, at different steps
-  # Step t >= 1 is one model call; whole chunks of `chunk` steps run until the one in which the
-  # last row closed.
-  assert len(calls) == chunk * math.ceil(last / chunk)
+  # Step t >= 1 is one model call; whole chunks of `chunk` steps (steps 0 .. chunk - 1, then the
+  # next chunk) run until the one in which the last row closed.
+  assert len(calls) == chunk * (last // chunk + 1) - 1
 
 
 # ---------------------------------------------------------------------------------------------
