@@ -48,6 +48,7 @@ def test_kernel_rows_have_every_median_and_ratio(kernel_result):
     assert row["speedup"]["vs_sort"] == row["median_s"][bench.SORT_PEER] / row["median_s"]["top_p"]
 
 
+@pytest.mark.slow
 def test_result_is_valid_json_and_formats_as_a_table(kernel_result):
   text = json.dumps(bench._finite(kernel_result), allow_nan=False)
   back = json.loads(text)
@@ -72,6 +73,7 @@ def test_time_round_robin_alternates_after_warmup():
   assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
 
 
+@pytest.mark.slow
 def test_peers_are_skipped_above_the_size_limit_and_without_transformers(monkeypatch):
   monkeypatch.setattr(bench, "transformers_top_p_sampler", lambda top_p=0.9: None)
   result = bench.run_benchmarks(batches=(2,), vocabs=(1000,), shapes=("wide",), runs=5,
@@ -201,6 +203,7 @@ def test_help_exits_0(capsys):
   assert "--quick" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_main_prints_json_or_a_table(kernel_result, capsys, monkeypatch):
   seen = {}
 

@@ -73,6 +73,7 @@ def test_the_standard_library_corpus_skips_tests_and_site_packages_and_holds_out
   assert len(data.parts["pydoc topics"]) > 0 and data.description["bytes"] > 5_000_000
 
 
+@pytest.mark.slow
 def test_training_is_reproducible_for_the_same_seed_and_corpus(tmp_path):
   folder = make_folder(tmp_path)
   config = TransformerConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=32)
@@ -86,6 +87,7 @@ def test_training_is_reproducible_for_the_same_seed_and_corpus(tmp_path):
   assert set(sa["held_out"]) == {"held out"}
 
 
+@pytest.mark.slow
 def test_a_run_stopped_midway_leaves_its_best_checkpoint_so_far(tmp_path, monkeypatch):
   folder = make_folder(tmp_path)
   config = TransformerConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=32)

@@ -165,6 +165,7 @@ def test_row_text_stop_strings_by_hand():
 # Top log-probabilities in decode (a hand-made step function).
 
 
+@pytest.mark.slow
 def test_decode_top_lists_greedy_top1_raw_and_processed():
   vocab = 6
   table = jax.random.normal(jax.random.key(3), (vocab, vocab)) * 2.0

@@ -239,6 +239,7 @@ def test_cli_generate_is_reproducible_and_prints_a_summary(tiny, capsys):
   assert code == 0 and "--- greedy seed=0 | 1 prompt(s)" in greedy
 
 
+@pytest.mark.slow
 def test_cli_generate_passes_penalties_and_truncations_to_generate(tiny, capsys):
   model, path = tiny
   code, out, _ = run_cli(capsys, "generate", "eeT", "--model", path, "--greedy",
@@ -277,6 +278,7 @@ def test_cli_beams_prints_the_best_beams_with_their_scores(tiny, capsys):
   assert code == 0 and "--- [1] 'Hi' score " in out and "beam 1/" not in out
 
 
+@pytest.mark.slow
 def test_cli_beams_print_the_prompt_logprobs_too(tiny, capsys):
   model, path = tiny
   code, out, _ = run_cli(capsys, "generate", "Hi", "--model", path, "--beams", "2",
@@ -290,6 +292,7 @@ def test_cli_beams_print_the_prompt_logprobs_too(tiny, capsys):
 DRAFT_CONFIG = TransformerConfig(d_model=16, n_layers=1, n_heads=1, d_ff=32, max_len=64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft", ["ngram", "small model"])
 def test_generate_with_a_draft_returns_the_same_bits_as_without(tiny, draft):
   model, _ = tiny
@@ -312,6 +315,7 @@ def test_generate_with_a_draft_returns_the_same_bits_as_without(tiny, draft):
   assert 0.0 <= spec.acceptance_rate <= 1.0
 
 
+@pytest.mark.slow
 def test_a_model_drafting_for_itself_greedily_has_every_draft_accepted(tiny):
   """Greedy drafts from the target itself are the target's greedy tokens: every round accepts
   all K drafts and adds the bonus token, so N new tokens take ceil((N - 1) / (K + 1)) calls
@@ -444,6 +448,7 @@ def test_cli_eval_prints_nats_and_bits_per_byte(tiny, capsys, tmp_path):
   assert nats == pytest.approx(expected, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_embedded_models_load_and_meet_their_reported_held_out_loss():
   """The embedded main and draft models: trained on this Python's stdlib + pydoc topics with
   whole files held out; their recorded held-out losses are re-measured here on a slice."""

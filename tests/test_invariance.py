@@ -88,6 +88,7 @@ def needle_mixes(graphdef, weights, step_fn, mixes, batches, seed):
     yield m, alone, (together[0][slot:slot + 1], together[1][slot:slot + 1])
 
 
+@pytest.mark.slow
 def test_needle_alone_equals_the_needle_in_random_batches_bit_for_bit(small):
   for m, alone, together in needle_mixes(*small, mixes=6, batches=[3, 8], seed=0):
     chex.assert_trees_all_equal(alone, together, custom_message=f"mix {m}")
@@ -116,6 +117,7 @@ def test_the_plain_numerics_differ_in_some_mix_so_the_needle_test_can_fail():
   assert differs > 0
 
 
+@pytest.mark.slow
 def test_prefill_whole_in_chunks_and_token_by_token_give_the_same_bits(small):
   graphdef, weights, step_fn = small
   prompts = corpus_prompts(5, seed=7, low=20, high=40)

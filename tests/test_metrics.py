@@ -314,6 +314,7 @@ def test_entropy_rejects_bad_params():
 # teacher forcing through the model
 
 
+@pytest.mark.slow
 def test_teacher_forced_logits_are_the_logits_of_the_cached_decode_steps():
   """One forward pass over prompt + new tokens gives, at step t, the logits that the prefill
   (t = 0) and the KV-cache step function (t > 0) give when fed the same tokens one by one."""
