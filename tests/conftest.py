@@ -1,8 +1,10 @@
 """Strict JAX for every test: implicit rank promotion raises, warnings are errors (pyproject);
-no persistent compilation cache in test processes; compiled code dropped before a worker runs out
-of memory mappings."""
+one XLA compilation cache per test run, shared by its workers; compiled code dropped before a
+worker runs out of memory mappings."""
 
 import os
+import shutil
+import tempfile
 
 import jax
 import hypothesis
@@ -10,10 +12,40 @@ import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-# Tests call the command's `main` in their own processes: keep XLA's persistent compilation cache
-# off there even if the user's environment turns it on (writing some executables to it crashed a
-# worker); subprocess tests that want it set their own JAXDECODE_CACHE_DIR.
+# Tests call the command's `main` in their own processes: the command's own cache (opt-in by
+# JAXDECODE_CACHE_DIR) stays off there even if the user's environment turns it on; subprocess
+# tests that want it set their own JAXDECODE_CACHE_DIR.
 os.environ["JAXDECODE_CACHE_DIR"] = ""
+
+# Most of the suite's time is XLA compiling, and different tests (in both workers, and the
+# processes they start) compile many identical programs. A run therefore shares one persistent
+# compilation cache, in a folder of its own that starts empty (a user's cache is never read or
+# written) and is removed at the end; every program is cached. An identical program is the same
+# executable, so no test sees other bits. JAXDECODE_TEST_XLA_CACHE=off compiles everything.
+_CACHE_ENV = "JAXDECODE_TEST_XLA_CACHE"
+
+
+def _use_cache(path: str) -> None:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = path  # for the processes tests start
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_configure(config):
+  """The controller makes the run's cache folder before the workers start (they inherit it)."""
+  setting = os.environ.get(_CACHE_ENV, "")
+  if setting == "off":
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+    jax.config.update("jax_compilation_cache_dir", None)
+    return
+  if not hasattr(config, "workerinput"):  # the controller, or a run without workers
+    setting = tempfile.mkdtemp(prefix="jaxdecode-test-xla-cache-")
+    os.environ[_CACHE_ENV] = setting
+    config.add_cleanup(lambda: shutil.rmtree(setting, ignore_errors=True))
+  _use_cache(setting)
 
 # jit compiles on first use, so wall-clock deadlines would only measure the compiler.
 hypothesis.settings.register_profile("jaxdecode", deadline=None, max_examples=40,

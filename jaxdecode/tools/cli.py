@@ -393,9 +393,10 @@ def _enable_compilation_cache() -> None:
   """With `$JAXDECODE_CACHE_DIR` set, keeps compiled programs on disk there, so that a second
   `jaxdecode generate` skips most compiling.
 
-  Off by default: with jax 0.10.2 on CPU, writing some executables to the persistent cache
-  crashed the process (a segmentation fault inside `put_executable_and_time`, seen in the test
-  suite), and a crash is worse than a slower start.
+  Off by default: with jax 0.10.2 on CPU, writing an executable to the persistent cache once
+  crashed a test process (a segmentation fault inside `put_executable_and_time`), and a crash is
+  worse than a slower start. That was before the tests bounded their memory mappings, the likely
+  cause; the test suite now runs with a persistent cache of its own.
   """
   path = os.environ.get("JAXDECODE_CACHE_DIR", "")
   if not path:
