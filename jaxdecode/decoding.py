@@ -118,7 +118,7 @@ def score(logits, processed, token, logprob, *, top_logprobs: int, logprobs_mode
 
 def _record_top(s: loop.LoopState, top: TopState, ids, values) -> TopState:
   """Writes each live row's list at its column `lengths[b]` (as `loop.record` does the token)."""
-  rows = jnp.arange(ids.shape[0])
+  rows = jnp.arange(ids.shape[0], dtype=jnp.int32)
   column = jnp.where(s.live, s.lengths, s.tokens.shape[1])  # N: dropped
   return TopState(tokens=top.tokens.at[rows, column].set(ids, mode="drop"),
                   logprobs=top.logprobs.at[rows, column].set(values, mode="drop"))

@@ -173,7 +173,7 @@ def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Arra
   `last` is pad_id (what the model is fed for it from then on).
   """
   recorded = state.live if live is None else live & state.live
-  rows = jnp.arange(token.shape[0])
+  rows = jnp.arange(token.shape[0], dtype=jnp.int32)
   column = jnp.where(recorded, state.lengths, state.tokens.shape[1])  # N: dropped
   finished = state.finished | (recorded & spec.is_eos[token])
   return state.replace(

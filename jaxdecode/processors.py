@@ -146,7 +146,8 @@ def apply_pos_inf_rule(x: jax.Array) -> jax.Array:
   """A row with +inf entries becomes uniform over them: +inf -> 0, the rest -> -inf."""
   def uniform_over_pos_inf(x):
     has_pos_inf = jnp.any(x == jnp.inf, axis=-1, keepdims=True)  # [B, 1]
-    return jnp.where(has_pos_inf, jnp.where(x == jnp.inf, 0.0, _NEG_INF), x)
+    uniform = jnp.where(x == jnp.inf, jnp.float32(0), jnp.float32(_NEG_INF))
+    return jnp.where(has_pos_inf, uniform, x)
 
   return lax.cond(jnp.any(x == jnp.inf), uniform_over_pos_inf, lambda x: x, x)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxdecode import _checks
 from jaxdecode import _reduce
@@ -37,7 +38,7 @@ def row_keys(key, batch_size: int) -> jax.Array:
 
 def _first_true(mask: jax.Array) -> jax.Array:
   """Index of the first True along the last axis (0 if none). [..., N] -> int32[...]."""
-  return jnp.argmax(mask, axis=-1).astype(jnp.int32)
+  return lax.argmax(mask, mask.ndim - 1, jnp.int32)
 
 
 def inverse_cdf(x: jax.Array, u: jax.Array):

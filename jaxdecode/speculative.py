@@ -225,7 +225,7 @@ def _speculative(step_fn, state, logits, key, params, positions, eos_ids, pad_id
     calling = (r > 0) & jnp.any(s.live)
     round_logits, drafts, drafter, model_state = lax.cond(calling, call_model, from_prefill,
                                                           (s, drafter))
-    drafted = drafted + k * (s.live & calling)
+    drafted = drafted + jnp.int32(k) * (s.live & calling)
     init = (s.replace(model_state=model_state), s.live, accepted, round_logits, drafts)
     (s, _, accepted, _, _), _ = lax.scan(verify, init, jnp.arange(k + 1, dtype=jnp.int32))
     return s, drafter, accepted, drafted, calls + calling

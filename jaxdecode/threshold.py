@@ -63,7 +63,7 @@ def largest_threshold(keys: jax.Array, weights, target: jax.Array) -> jax.Array:
   """
   def body(i, t):
     candidate = t | (jnp.uint32(1) << jnp.asarray(31 - i, jnp.uint32))  # [B]
-    reached = _reduce.row_sum(jnp.where(keys >= candidate[:, None], weights, 0.0))
+    reached = _reduce.row_sum(jnp.where(keys >= candidate[:, None], weights, jnp.float32(0)))
     return jnp.where(reached >= target, candidate, t)
 
   return lax.fori_loop(0, 32, body, jnp.zeros(keys.shape[:1], jnp.uint32))
@@ -90,10 +90,10 @@ def thresholds_by_bisection(x: jax.Array, k: jax.Array, p: jax.Array) -> jax.Arr
   vocab = x.shape[-1]
   keys = order_keys(x)
   k_active = (k > 0) & (k < vocab)
-  no_cut = jnp.full(k.shape, NEG_INF)
+  no_cut = jnp.full(k.shape, NEG_INF, jnp.float32)
   tau_k = lax.cond(  # each bisection only when some row needs it
       jnp.any(k_active),
-      lambda: jnp.where(k_active, value_of_key(largest_threshold(keys, jnp.int32(1), k)),
+      lambda: jnp.where(k_active, value_of_key(largest_threshold(keys, jnp.float32(1), k)),
                         NEG_INF),
       lambda: no_cut)
   e, _ = unnormalized_probs(x)
