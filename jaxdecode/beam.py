@@ -6,21 +6,29 @@ beam k of prompt row b), and beside them the K best finished hypotheses of each 
 1. the processed logits of every beam (`loop.process`: user processors, `min_new_tokens`, the
    processor chain with the beam's own token counts), then their log-softmax;
 2. candidates: the top C = max(2, 1 + len(eos_ids)) * K of (beam score + log-probability) over
-   the row's K * V continuations (ties to the lower beam, then the lower token id);
-3. the next running beams: the K best candidates that do not end the sequence (an EOS id, or
-   step N - 1); the model state, tokens and counts of their parents are gathered along each
-   state leaf's batch axis (`state_axes`);
-4. finalization: each of the K best candidates that ends the sequence is scored
+   the row's K * V continuations (ties to the lower beam, then the lower token id); a candidate
+   is *possible* iff that float32 sum is > -inf;
+3. the next running beams: the K best possible candidates that do not end the sequence (an EOS
+   id, or step N - 1); the model state, tokens and counts of their parents are gathered along
+   each state leaf's batch axis (`state_axes`). With fewer than K, the other slots are empty
+   (score -inf) and stay so;
+4. finalization: each possible candidate among the K best that ends the sequence is scored
    `sum of log-probs / (t + 1) ** length_penalty` (t + 1 new tokens, the EOS included, the prompt
-   never) and kept if it is among the row's K best finished hypotheses so far;
-5. the row is done once it cannot change any more: `early_stopping=True` once it holds K
-   hypotheses; otherwise once, in addition, the best running beam cannot beat the worst
-   hypothesis by transformers' estimate (see `beam_search`). The loop stops after the first
-   chunk of steps in which every row is done (`loop.run_chunks`).
+   never) and kept if it is among the row's K best hypotheses so far;
+5. the row is done once it cannot change any more: once no running beam is left; with
+   `early_stopping=True` once it holds K hypotheses; otherwise once it holds K and the best
+   running beam cannot beat the worst of them by transformers' estimate (see `beam_search`).
+   The loop stops after the first chunk of steps in which every row is done
+   (`loop.run_chunks`).
 
 This is the algorithm of transformers 4.x `generate(num_beams=K)` (its vectorized PyTorch
-`_beam_search`), down to the -1e9 it adds to scores it rules out, so that the same logits give
-the same beams; `beam_search`'s docstring lists where jaxdecode differs.
+`_beam_search`), except that an impossible candidate (log-probability -inf) is never a
+hypothesis nor a running beam. transformers keeps such candidates apart by adding -1e9 to
+scores, which float32 cannot keep apart (`-1e9 - 0.51 == -1e9 - 0.92`): when a row has fewer
+than K possible continuations, its placeholder beams tie their way into the running beams and
+their continuations fill the hypothesis slots with junk. Wherever every step of a row has at
+least 2K possible candidates (C of them when there are more EOS ids), the two give the same
+beams and scores; `beam_search`'s docstring lists the other differences.
 """
 
 from __future__ import annotations
@@ -37,11 +45,9 @@ from jaxdecode import decoding
 from jaxdecode import loop
 from jaxdecode import processors
 from jaxdecode import sampling
+from jaxdecode import threshold
 from jaxdecode.params import SamplingParams
 
-# transformers' score for ruled-out candidates and its start score for beams 1..K-1: a large
-# finite negative number rather than -inf, so that sums stay ordered; kept for equal results.
-_RULED_OUT = -1.0e9
 EARLY_STOPPING = (True, False, "never")
 
 
@@ -53,19 +59,25 @@ class BeamOutput:
   Attributes:
     tokens: int32[B, R, N] the new tokens of each hypothesis; `pad_id` after its end.
     scores: float32[B, R] `sum(logprobs) / lengths ** length_penalty`, descending in each row.
-      A slot with no hypothesis (possible only when fewer than R continuations of a row ever
-      have a finite score) has score -1e9 (transformers' placeholder) and length 0.
-    lengths: int32[B, R] new tokens, an EOS included.
+      A slot with no hypothesis (only when the row has fewer than R possible sequences: tight
+      truncation, bans, allowed ids, temperature 0 or -inf logits) has score -inf and length 0,
+      and comes after every hypothesis.
+    lengths: int32[B, R] new tokens, an EOS included; 0 in an empty slot.
     finished: bool[B, R] True where the hypothesis ends with an EOS id (False where it reached
       `max_new_tokens`).
     logprobs: float32[B, R, N] each token's log-probability under its beam's processed
       distribution (log-softmax of the processed logits); 0 after the end.
+    dead_end: bool[B] True where a running beam of the row met processed logits with nothing
+      selectable (every entry -inf or NaN: e.g. a model past its cache, or a processor that
+      removes every token) while the row was searching; that beam ended there, as a `decode`
+      row does, without becoming a hypothesis.
   """
   tokens: jax.Array
   scores: jax.Array
   lengths: jax.Array
   finished: jax.Array
   logprobs: jax.Array
+  dead_end: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -75,17 +87,18 @@ class BeamState:
 
   Attributes:
     beams: the running beams as a `LoopState` of B * K rows (row b * K + k: beam k of row b).
-    beam_scores: float32[B, K] each running beam's sum of log-probs, best first
-      (transformers' `running_beam_scores`, its -1e9 terms included).
+    beam_scores: float32[B, K] each running beam's sum of log-probs, best first (transformers'
+      `running_beam_scores`); -inf in an empty slot.
     final_tokens: int32[B, K, N] the finished hypotheses (`pad_id` after their end).
     final_logprobs: float32[B, K, N] their per-token log-probabilities.
     final_lengths: int32[B, K] their lengths (0 in an empty slot).
     final_eos: bool[B, K] whether each ends with an EOS id.
-    final_scores: float32[B, K] their scores, best first (-1e9 in an empty slot).
+    final_scores: float32[B, K] their scores, best first (-inf in an empty slot).
     final_filled: bool[B, K] whether a slot holds a hypothesis (transformers' `is_sent_finished`).
-    improvable: bool[B] transformers' `is_early_stop_heuristic_unsatisfied`: the best running
-      beam may still beat the worst hypothesis.
+    improvable: bool[B] transformers' `is_early_stop_heuristic_unsatisfied`: the row has a
+      running beam, and it may still beat the worst hypothesis.
     done: bool[B] the row's hypotheses can no longer change.
+    dead_end: bool[B] a running beam met logits with nothing selectable (`BeamOutput`).
   """
   beams: loop.LoopState
   beam_scores: jax.Array
@@ -97,6 +110,7 @@ class BeamState:
   final_filled: jax.Array
   improvable: jax.Array
   done: jax.Array
+  dead_end: jax.Array
 
   def replace(self, **changes) -> "BeamState":
     return dataclasses.replace(self, **changes)
@@ -184,10 +198,27 @@ def _along(x: jax.Array, index: jax.Array) -> jax.Array:
   return jnp.take_along_axis(x, index, axis=1)
 
 
+def rank_keys(score: jax.Array, valid: jax.Array) -> jax.Array:
+  """int32 keys in the order of (valid, score): every valid entry above every invalid one, valid
+  entries in the order of their float32 scores (a NaN score as -inf; -0.0 and +0.0 tie).
+
+  So a hypothesis whose score the length penalty drove to -inf (or 0/0) still outranks an empty
+  slot, and `lax.top_k` over the keys orders valid entries exactly as over their scores.
+  """
+  score = jnp.where(jnp.isnan(score), -jnp.inf, score)
+  keys = jnp.where(valid, threshold.order_keys(score), jnp.uint32(0))  # a valid key is > 0
+  return lax.bitcast_convert_type(keys ^ jnp.uint32(0x80000000), jnp.int32)
+
+
 def beam_step(spec: loop.LoopSpec, s: BeamState, logits: jax.Array, t: jax.Array, *,
               axes: tuple, candidates: int, length_penalty: jax.Array, early_stopping,
               max_new_tokens: int) -> BeamState:
   """Step t of the search: candidates from `logits` [B * K, V], new running beams, finalization.
+
+  A candidate is possible iff its log-probability (the float32 sum beam score + token
+  log-probability) is > -inf; an impossible one never becomes a hypothesis or a running beam.
+  A running slot without a possible candidate left is empty (score -inf), and so are all its
+  continuations.
 
   Args:
     spec: the loop's fixed inputs, B * K rows.
@@ -205,15 +236,19 @@ def beam_step(spec: loop.LoopSpec, s: BeamState, logits: jax.Array, t: jax.Array
   n = max_new_tokens
   step = jnp.full((batch * beams,), t, jnp.int32)
   logp = log_softmax(loop.process(spec, s.beams, logits, step))  # [B*K, V]
+  # A live beam (a running beam of a row still searching) whose processed logits have nothing
+  # selectable ends there, as a `decode` row does; the row reports it.
+  live = (s.beam_scores > -jnp.inf) & ~s.done[:, None]  # [B, K]
+  stuck = live & (jnp.max(logp, axis=-1).reshape(batch, beams) == -jnp.inf)
   total = (logp.reshape(batch, beams, vocab) + s.beam_scores[:, :, None]).reshape(batch, -1)
   cand_scores, cand_index = lax.top_k(total, candidates)  # [B, C], best first
+  possible = cand_scores > -jnp.inf  # [B, C]
   parent, token = cand_index // vocab, cand_index % vocab  # [B, C]
   cand_logp = jnp.take_along_axis(logp.reshape(batch, -1), cand_index, axis=1)  # [B, C]
   ends = spec.is_eos[token] | (t == n - 1)  # [B, C]: the candidate ends its sequence
 
-  # The next running beams: the K best candidates that go on (ended ones are ruled out).
-  running = cand_scores + ends.astype(jnp.float32) * _RULED_OUT
-  beam_scores, pick = lax.top_k(running, beams)  # [B, K]
+  # The next running beams: the K best possible candidates that go on; -inf marks empty slots.
+  beam_scores, pick = lax.top_k(jnp.where(possible & ~ends, cand_scores, -jnp.inf), beams)
   rows = (jnp.arange(batch, dtype=jnp.int32)[:, None] * beams
           + _along(parent, pick)).reshape(-1)  # [B*K]: each new beam's parent row
   state = s.beams
@@ -225,15 +260,15 @@ def beam_step(spec: loop.LoopSpec, s: BeamState, logits: jax.Array, t: jax.Array
   new_beams = loop.record(keep_going, parents, _along(token, pick).reshape(-1),
                           _along(cand_logp, pick).reshape(-1))
 
-  # Finalization: among the K best candidates, those that end the sequence.
-  just_ended = ends[:, :beams]  # [B, K]
+  # Finalization: the possible candidates among the K best that end the sequence, while the row
+  # still takes hypotheses (transformers' rules: not once full with early_stopping=True, not
+  # once the best running beam could not beat the worst hypothesis).
+  open_row = s.improvable[:, None]  # [B, 1]
+  if early_stopping is True:
+    open_row = open_row & ~jnp.all(s.final_filled, axis=1, keepdims=True)
+  just_ended = ends[:, :beams] & possible[:, :beams] & open_row  # [B, K]
   length = t + 1
   score = cand_scores[:, :beams] / jnp.power(length.astype(jnp.float32), length_penalty)
-  full = jnp.all(s.final_filled, axis=1, keepdims=True)  # [B, 1]
-  if early_stopping is True:
-    score = score + full.astype(jnp.float32) * _RULED_OUT
-  score = score + (~s.improvable[:, None]).astype(jnp.float32) * _RULED_OUT
-  score = score + (~just_ended).astype(jnp.float32) * _RULED_OUT
   top_parent = parent[:, :beams]  # [B, K]
   columns = jnp.arange(n, dtype=jnp.int32)[None, None, :] == t  # [1, 1, N]
   tokens = jnp.where(columns, token[:, :beams, None],
@@ -241,36 +276,42 @@ def beam_step(spec: loop.LoopSpec, s: BeamState, logits: jax.Array, t: jax.Array
   logprobs = jnp.where(columns, cand_logp[:, :beams, None],
                        _along(state.logprobs.reshape(batch, beams, n), top_parent))
   # The previous hypotheses come first, so a tie keeps the older one.
-  _, keep = lax.top_k(jnp.concatenate([s.final_scores, score], axis=1), beams)
+  _, keep = lax.top_k(rank_keys(jnp.concatenate([s.final_scores, score], axis=1),
+                                jnp.concatenate([s.final_filled, just_ended], axis=1)), beams)
 
   def merge(old, new):
     # A done row keeps its hypotheses as they are, so it ends the same alone or in a batch.
     merged = _along(jnp.concatenate([old, new], axis=1), keep)
     return jnp.where(s.done.reshape((batch,) + (1,) * (old.ndim - 1)), old, merged)
 
-  final_scores = merge(s.final_scores, score)
   final_filled = merge(s.final_filled, just_ended)
-  final_tokens = merge(s.final_tokens, tokens)
-  final_logprobs = merge(s.final_logprobs, logprobs)
-  final_lengths = merge(s.final_lengths, jnp.full((batch, beams), length, jnp.int32))
-  final_eos = merge(s.final_eos, spec.is_eos[token[:, :beams]])
+  # An empty slot holds nothing: pad tokens, log-probabilities 0, length 0, score -inf.
+  final_tokens = jnp.where(final_filled[:, :, None], merge(s.final_tokens, tokens), spec.pad_id)
+  final_logprobs = jnp.where(final_filled[:, :, None], merge(s.final_logprobs, logprobs), 0.0)
+  final_scores = jnp.where(final_filled, merge(s.final_scores, score), -jnp.inf)
+  final_lengths = jnp.where(final_filled,
+                            merge(s.final_lengths, jnp.full((batch, beams), length, jnp.int32)), 0)
+  final_eos = final_filled & merge(s.final_eos, spec.is_eos[token[:, :beams]])
 
-  # Can the best running beam still beat the worst hypothesis? (transformers' heuristic, with
-  # the running beams' new length t + 1; "never" with a positive length penalty bounds by N.)
+  # Can the row still change? It needs a running beam, and, once it holds K hypotheses, one
+  # whose score could beat the worst of them by transformers' estimate (at the running beams'
+  # new length t + 1; "never" with a positive length penalty bounds by N).
   if early_stopping == "never":
     hypothetical = jnp.where(length_penalty > 0, jnp.int32(n), length)
   else:
     hypothetical = length
-  best = beam_scores[:, :1] / jnp.power(hypothetical.astype(jnp.float32), length_penalty)
-  worst = jnp.where(final_filled, jnp.min(final_scores, axis=1, keepdims=True), _RULED_OUT)
-  improvable = s.improvable & jnp.any(best > worst, axis=1)
+  best = beam_scores[:, 0] / jnp.power(hypothetical.astype(jnp.float32), length_penalty)
+  filled = jnp.all(final_filled, axis=1)
+  worst = jnp.min(final_scores, axis=1)
+  improvable = s.improvable & (beam_scores[:, 0] > -jnp.inf) & (~filled | (best > worst))
   done = ~improvable | (t >= n - 1)
   if early_stopping is True:
-    done = done | jnp.all(final_filled, axis=1)
+    done = done | filled
   return BeamState(beams=new_beams, beam_scores=beam_scores, final_tokens=final_tokens,
                    final_logprobs=final_logprobs, final_lengths=final_lengths,
                    final_eos=final_eos, final_scores=final_scores, final_filled=final_filled,
-                   improvable=improvable, done=s.done | done)
+                   improvable=improvable, done=s.done | done,
+                   dead_end=s.dead_end | jnp.any(stuck, axis=1))
 
 
 def candidate_count(beam_size: int, n_eos: int, vocab: int) -> int:
@@ -285,18 +326,18 @@ def candidate_count(beam_size: int, n_eos: int, vocab: int) -> int:
 
 def init_state(spec: loop.LoopSpec, model_state, counts: jax.Array, *, batch: int,
                beam_size: int, max_new_tokens: int) -> BeamState:
-  """Before step 0: K copies of each row, beam 0 at score 0 and beams 1..K-1 at -1e9 (so that
-  step 0 takes its candidates from beam 0 alone), no hypothesis, every row improvable."""
+  """Before step 0: K copies of each row, beam 0 at score 0 and beams 1..K-1 empty (-inf, so
+  that step 0 takes its candidates from beam 0 alone), no hypothesis, every row improvable."""
   k, n = beam_size, max_new_tokens
-  scores = jnp.zeros((batch, k), jnp.float32).at[:, 1:].set(_RULED_OUT)
+  scores = jnp.zeros((batch, k), jnp.float32).at[:, 1:].set(-jnp.inf)
   return BeamState(
       beams=loop.init_state(spec, model_state, counts, n), beam_scores=scores,
       final_tokens=jnp.full((batch, k, n), spec.pad_id, jnp.int32),
       final_logprobs=jnp.zeros((batch, k, n), jnp.float32),
       final_lengths=jnp.zeros((batch, k), jnp.int32), final_eos=jnp.zeros((batch, k), bool),
-      final_scores=jnp.full((batch, k), _RULED_OUT, jnp.float32),
+      final_scores=jnp.full((batch, k), -jnp.inf, jnp.float32),
       final_filled=jnp.zeros((batch, k), bool), improvable=jnp.ones((batch,), bool),
-      done=jnp.zeros((batch,), bool))
+      done=jnp.zeros((batch,), bool), dead_end=jnp.zeros((batch,), bool))
 
 
 def _beam_search(step_fn, state, logits, params, positions, eos_ids, pad_id, counts,
@@ -343,7 +384,7 @@ def _beam_search(step_fn, state, logits, params, positions, eos_ids, pad_id, cou
   r = num_return
   return BeamOutput(tokens=s.final_tokens[:, :r], scores=s.final_scores[:, :r],
                     lengths=s.final_lengths[:, :r], finished=s.final_eos[:, :r],
-                    logprobs=s.final_logprobs[:, :r])
+                    logprobs=s.final_logprobs[:, :r], dead_end=s.dead_end)
 
 
 _beam_search_jit = jax.jit(_beam_search, static_argnames=(
@@ -367,6 +408,12 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
   At `max_new_tokens`, the top K candidates are finalized the same way. A row keeps its K best
   hypotheses and returns the best `num_return`.
 
+  One exception to transformers' algorithm: a candidate whose log-probability is -inf (a token
+  the processors removed, a -inf logit, a beam that does not exist) is never a hypothesis and
+  never a running beam. A row with fewer than K possible continuations runs fewer beams; a row
+  is done once no running beam is left; early stopping counts the hypotheses that exist. A slot
+  no hypothesis reached has score -inf, length 0 and `pad_id` tokens, after every hypothesis.
+
   Args:
     step_fn: `step_fn(state, tokens int32[B'], positions int32[B']) -> (logits [B', V], state)`,
       the `decode` contract; it is called with B' = B * K rows (beam k of row b is row b*K + k).
@@ -382,8 +429,8 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
     pad_id: written after a hypothesis' end.
     length_penalty: the exponent of the length in the score (traced: a new value does not
       recompile). > 0 favours longer hypotheses, < 0 shorter ones; 0 ranks by log-probability.
-    early_stopping: when a row stops (static), as in transformers: True: once it holds K
-      hypotheses. False: once it holds K and the best running beam's score at its current
+    early_stopping: when a row stops (static), as in transformers, and in any case once no
+      running beam is left: True: once it holds K hypotheses. False: once it holds K and the best running beam's score at its current
       length cannot beat the worst of them (a heuristic: with length_penalty > 0 a longer beam
       might still have). "never": the same test with the bound at `max_new_tokens` when
       length_penalty > 0 (exact: beam search then stops only when no beam can improve).
@@ -417,12 +464,18 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
     two are the same computation, and give the same beams and scores (up to float rounding).
   - `params` per row apply to every beam of that row; the penalties count each beam's own new
     tokens (plus `counts`): transformers counts the prompt too (pass `counts` to do that).
+  - Impossible candidates (above). transformers adds -1e9 to the scores of candidates it rules
+    out, and in float32 `-1e9 - 0.51 == -1e9 - 0.92`: where a row has fewer possible
+    continuations than its beams need, a placeholder or an EOS candidate ties its way into the
+    running beams, their continuations fill the K hypothesis slots with junk scored about -1e9
+    (and with `early_stopping=True` stop the row before its real best beam ends), and empty
+    slots come back as beams. Where every step of a row has at least C = max(2, 1 +
+    len(eos_ids)) * K possible candidates, nothing is ruled out that way and the two give the
+    same beams and scores.
   - Rows are independent: a row stops, and its result is fixed, as soon as its own stopping rule
     holds, so a row gives bitwise the same beams alone or in any batch (given batch-invariant
     logits). transformers decides by the rules of the whole batch, which changes nothing a
-    finished row returns, except in one degenerate case: rows where fewer than K continuations
-    have a finite score (tiny vocabularies, bans) and transformers fills slots with placeholder
-    beams at -1e9.
+    finished row returns.
   - Ties between equal scores go to the lower beam, then the lower token id (`lax.top_k`);
     `torch.topk` does not promise an order.
 

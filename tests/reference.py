@@ -228,25 +228,31 @@ def log_softmax64(x):
 
 def reference_beam_search(next_logprobs, *, beam_size, max_new_tokens, eos_ids=(),
                           length_penalty=1.0, early_stopping=True):
-  """One row of transformers' beam search, in plain Python with float64 scores.
+  """One row of beam search, in plain Python with float64 scores: transformers' algorithm, except
+  that an impossible candidate (log-probability -inf) is never a hypothesis nor a running beam.
 
-  Candidates: the best max(2, 1 + #eos) * K (score, beam, token) of the live beams' extensions.
-  Of the K best, those ending (EOS, or the last step) become hypotheses scored
-  sum / length ** length_penalty, unless the row is closed; the K best that go on are the next
-  beams. The row closes once it has K hypotheses and either early_stopping is True or the best
-  beam, bounded at the current length (at N for "never" with a positive penalty), cannot beat
-  the worst hypothesis.
+  Candidates: the best max(2, 1 + #eos) * K possible (score, beam, token) extensions of the
+  running beams. Of the K best, those ending (EOS, or the last step) become hypotheses scored
+  sum / length ** length_penalty; the K best that go on (fewer if fewer are possible) are the next
+  beams. The row closes once no beam is left, at the last step, or once it has K hypotheses and
+  either early_stopping is True or the best beam, bounded at the current length (at N for
+  "never" with a positive penalty), cannot beat the worst hypothesis.
 
   Returns:
-    (hypotheses [(score, tokens)] best first, the step at which the row closed).
+    (hypotheses [(score, tokens)] best first (at most K), the step at which the row closed,
+    whether a running beam met a distribution with nothing possible before it closed).
   """
   k, n = beam_size, max_new_tokens
   beams = [((), 0.0)]
   hyps = []
+  dead_end = False
   for t in range(n):
-    cands = sorted(((score + lp, i, v) for i, (toks, score) in enumerate(beams)
-                    for v, lp in enumerate(next_logprobs(toks)) if lp > -np.inf),
-                   key=lambda c: (-c[0], c[1], c[2]))[:max(2, 1 + len(eos_ids)) * k]
+    cands = []
+    for i, (toks, score) in enumerate(beams):
+      logprobs = next_logprobs(toks)
+      dead_end |= bool(np.all(np.asarray(logprobs) == -np.inf))
+      cands += [(score + lp, i, v) for v, lp in enumerate(logprobs) if score + lp > -np.inf]
+    cands = sorted(cands, key=lambda c: (-c[0], c[1], c[2]))[:max(2, 1 + len(eos_ids)) * k]
     next_beams = []
     for rank, (score, i, v) in enumerate(cands):
       toks = beams[i][0] + (v,)
@@ -257,12 +263,39 @@ def reference_beam_search(next_logprobs, *, beam_size, max_new_tokens, eos_ids=(
         next_beams.append((toks, score))
     hyps = sorted(hyps, key=lambda h: -h[0])[:k]
     beams = next_beams
-    if t == n - 1:
-      return hyps, t
+    if t == n - 1 or not beams:
+      return hyps, t, dead_end
     if len(hyps) == k:
       if early_stopping is True:
-        return hyps, t
+        return hyps, t, dead_end
       bound = n if early_stopping == "never" and length_penalty > 0 else t + 1
       if not beams[0][1] / bound ** length_penalty > hyps[-1][0]:
-        return hyps, t
+        return hyps, t, dead_end
   raise AssertionError("unreachable")
+
+
+def every_sequence(next_logprobs, *, max_new_tokens, eos_ids=(), length_penalty=1.0):
+  """Brute force: every possible sequence (each token of log-probability > -inf) that ends with
+  an EOS id or reaches max_new_tokens, as (score, tokens) best first (ties: shorter, then lower
+  ids first), with the most possible candidates any step has (all prefixes of that length
+  extended by one token) and whether a possible unfinished prefix has nothing possible next.
+
+  When K is at least both counts, beam search keeps every prefix, so its hypotheses are exactly
+  these sequences, whatever early_stopping is.
+  """
+  done, widest, dead_end = [], 0, False
+  prefixes = [((), 0.0)]
+  for t in range(max_new_tokens):
+    extended = []
+    for toks, total in prefixes:
+      logprobs = np.asarray(next_logprobs(toks), np.float64)
+      dead_end |= bool(np.all(logprobs == -np.inf))
+      extended += [(toks + (v,), total + lp) for v, lp in enumerate(logprobs) if lp > -np.inf]
+    widest = max(widest, len(extended))
+    prefixes = []
+    for toks, total in extended:
+      if toks[-1] in eos_ids or t == max_new_tokens - 1:
+        done.append((total / len(toks) ** length_penalty, toks))
+      else:
+        prefixes.append((toks, total))
+  return sorted(done, key=lambda h: (-h[0], len(h[1]), h[1])), widest, dead_end

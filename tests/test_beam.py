@@ -16,7 +16,7 @@ from flax import nnx
 import jaxdecode
 from jaxdecode import SamplingParams, beam
 import toy_model
-from reference import log_softmax64, reference_beam_search
+from reference import every_sequence, log_softmax64, process_row, reference_beam_search
 
 VOCAB = 13
 TABLE = toy_model.table(VOCAB)
@@ -123,7 +123,7 @@ def test_matches_a_plain_python_beam_search_on_ragged_prompts(early_stopping, eo
                   length_penalty=length_penalty, early_stopping=early_stopping, pad_id=12,
                   chunk_size=3)
     for row, prompt in enumerate(PROMPTS):
-      hyps, _ = reference_beam_search(toy_logprobs(TABLE, prompt), beam_size=k,
+      hyps, _, _ = reference_beam_search(toy_logprobs(TABLE, prompt), beam_size=k,
                                       max_new_tokens=n, eos_ids=eos_ids,
                                       length_penalty=length_penalty,
                                       early_stopping=early_stopping)
@@ -146,7 +146,7 @@ def test_num_return_gives_the_best_r_and_the_loop_stops_after_the_chunk_where_al
   assert out.tokens.shape == (len(PROMPTS), 2, n) and out.scores.shape == (len(PROMPTS), 2)
   last = 0
   for row, prompt in enumerate(PROMPTS):
-    hyps, closed = reference_beam_search(toy_logprobs(TABLE, prompt), beam_size=k,
+    hyps, closed, _ = reference_beam_search(toy_logprobs(TABLE, prompt), beam_size=k,
                                          max_new_tokens=n, eos_ids=eos_ids)
     assert_matches(out, row, hyps[:2], eos_ids=eos_ids)
     last = max(last, closed)
@@ -154,6 +154,165 @@ def test_num_return_gives_the_best_r_and_the_loop_stops_after_the_chunk_where_al
   # Step t >= 1 is one model call; whole chunks of `chunk` steps (steps 0 .. chunk - 1, then the
   # next chunk) run until the one in which the last row closed.
   assert len(calls) == chunk * (last // chunk + 1) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Impossible candidates (log-probability -inf) are never hypotheses nor running beams.
+
+
+def _chain_step(table):
+  """A state-free model: the logits after token x are `table[x]`."""
+  table = jnp.asarray(table, jnp.float32)
+  return lambda state, tokens, positions: (table[tokens], state)
+
+
+def _log(p):
+  with np.errstate(divide="ignore"):
+    return np.log(np.asarray(p, np.float64)).astype(np.float32)
+
+
+# From token 0: token 1 (p .6) or EOS 4 (p .4); then 1 -> 2 -> 1 -> ... for sure.
+ISSUE_TABLE = _log([[0, .6, 0, 0, .4], [0, 0, 1, 0, 0], [0, 1, 0, 0, 0], [0, 0, 0, 1, 0],
+                    [0, 0, 0, 0, 1]])
+
+
+@pytest.mark.parametrize("early_stopping", [True, False])
+def test_an_eos_candidate_no_longer_ties_into_the_running_beams_and_hides_the_best_beam(
+    early_stopping):
+  # Issue 33's reproduction: -1e9 - log(.6) == -1e9 - log(.4) in float32, so the EOS candidate
+  # used to become a running beam whose junk continuations filled the 3 slots, and
+  # early_stopping=True stopped before 1 2 1 2 1 2 1 2 (score log(.6) / 8) ended.
+  out = jaxdecode.beam_search(_chain_step(ISSUE_TABLE), {}, jnp.asarray(ISSUE_TABLE[[0]]),
+                              beam_size=3, max_new_tokens=8, eos_ids=[4], pad_id=3,
+                              positions=jnp.array([1]), early_stopping=early_stopping)
+  assert out.tokens[0].tolist() == [[1, 2] * 4, [4] + [3] * 7, [3] * 8]
+  np.testing.assert_allclose(out.scores[0, :2], [np.log(.6) / 8, np.log(.4)], rtol=1e-6)
+  assert out.scores[0, 2] == -np.inf
+  assert out.lengths[0].tolist() == [8, 1, 0] and out.finished[0].tolist() == [False, True, False]
+  assert out.logprobs[0, 2].tolist() == [0.0] * 8 and not out.dead_end[0]
+
+
+def test_a_single_possible_path_gives_one_hypothesis_and_empty_slots_at_any_length_penalty():
+  # Issue 33: K = 4 on a table with one possible path used to return four slots of length 6,
+  # three of them copies scored -4.6e6 (length_penalty 3) or -0.0146 (12), above real beams.
+  table = _log([[0, 1, 0, 0], [0, 0, .5, .5], [0, 0, 0, 1], [0, 1, 0, 0]])
+  table[1] = [-np.inf, -np.inf, 0.0, -np.inf]  # after 1: 2 for sure; so 0 1 2 3 1 2 3 ...
+  for length_penalty in (3.0, 12.0, -2.0, 0.0):
+    out = jaxdecode.beam_search(_chain_step(table), {}, jnp.asarray(table[[0]]), beam_size=4,
+                                max_new_tokens=6, positions=jnp.array([1]), pad_id=0,
+                                length_penalty=length_penalty)
+    assert out.tokens[0].tolist() == [[1, 2, 3, 1, 2, 3]] + [[0] * 6] * 3
+    assert out.lengths[0].tolist() == [6, 0, 0, 0]
+    assert out.scores[0, 0] == 0.0 and (out.scores[0, 1:] == -np.inf).all()
+    assert not out.finished[0].any() and (out.logprobs[0] == 0).all()
+
+
+def sparse_table(vocab, seed, *, keep=0.35):
+  """A toy table where most logits are -inf or NaN (never selectable), and some rows have
+  nothing selectable at all: (table for the model, the same with NaN as -inf for the reference)."""
+  rng = np.random.default_rng(seed)
+  table = rng.normal(size=(toy_model.TABLE_ROWS, vocab)).astype(np.float32) * 2
+  dropped = rng.random(table.shape) > keep
+  table[dropped] = np.where(rng.random(table.shape) < 0.2, np.nan, -np.inf)[dropped]
+  table[rng.random(toy_model.TABLE_ROWS) < 0.04] = -np.inf  # dead ends
+  return jnp.asarray(table), np.where(np.isnan(table), -np.inf, table)
+
+
+@pytest.mark.parametrize("early_stopping", [
+    True, pytest.param(False, marks=pytest.mark.slow),
+    pytest.param("never", marks=pytest.mark.slow)])
+def test_when_k_covers_every_possible_prefix_the_hypotheses_are_every_possible_sequence(
+    early_stopping):
+  # Brute force: with K at least the possible candidates of every step and the possible
+  # sequences, beam search keeps every prefix, so it returns all sequences, best first, and
+  # empty slots after them, whatever the length penalty's sign or the stopping rule.
+  vocab, n, k, eos = 5, 4, 8, (0,)
+  table, clean = sparse_table(vocab, seed=7)
+  penalties = (-1.5, 0.0, 0.7, 3.0)
+  by_count = {}  # the first prompt with 0, 1, ..., K possible sequences
+  for prompt in itertools.chain(*(itertools.product(range(vocab), repeat=m) for m in (1, 2, 3))):
+    found = [every_sequence(toy_logprobs(clean, prompt), max_new_tokens=n, eos_ids=eos,
+                            length_penalty=lp) for lp in penalties]
+    hyps, widest, _ = found[0]
+    if widest <= k and len(hyps) <= k:
+      by_count.setdefault(len(hyps), (list(prompt), found))
+  assert sorted(by_count) == list(range(k + 1))
+  prompts, expected = zip(*by_count.values())
+  assert len({f[0][2] for f in expected}) == 2  # rows with dead ends and rows without
+  step = toy_model.make_step(table)
+  for i, length_penalty in enumerate(penalties):
+    out = run_toy(list(prompts), table, step, beam_size=k, max_new_tokens=n, eos_ids=list(eos),
+                  pad_id=4, length_penalty=length_penalty, early_stopping=early_stopping)
+    for row, found in enumerate(expected):
+      hyps, _, dead_end = found[i]
+      assert_matches(out, row, hyps, pad_id=4, eos_ids=eos, rtol=1e-5)
+      empty = slice(len(hyps), k)
+      assert (out.scores[row, empty] == -np.inf).all() and (out.lengths[row, empty] == 0).all()
+      assert (out.tokens[row, empty] == 4).all() and not out.finished[row, empty].any()
+      assert bool(out.dead_end[row]) == dead_end, row
+
+
+def test_per_row_truncation_allowed_ids_and_temperature_0_match_the_reference():
+  # K larger than the possible continuations of some rows (top-k 2, a tight top-p, min-p,
+  # two allowed ids, temperature 0) and not of others; every length penalty sign.
+  prompts = PROMPTS + [[3, 3]]
+  k, n, eos = 4, 6, (4,)
+  rows = dict(temperature=[1.0, 0.0, 0.8, 1.0, 1.2, 1.0], top_k=[2, 0, 0, 0, 0, 3],
+              top_p=[1.0, 1.0, 0.3, 1.0, 1.0, 0.9], min_p=[0.0, 0.0, 0.0, 0.2, 0.0, 0.0])
+  allowed = [[], [], [], [], [4, 7], []]
+  params = SamplingParams(**{name: np.asarray(v) for name, v in rows.items()},
+                          allowed_token_ids=allowed)
+  for length_penalty in (1.0, -1.0, 0.0, 2.5):
+    out = run_toy(prompts, beam_size=k, max_new_tokens=n, eos_ids=list(eos), pad_id=12,
+                  params=params, length_penalty=length_penalty)
+    for b, prompt in enumerate(prompts):
+      def next_logprobs(new, b=b, prompt=prompt):
+        x = np.asarray(TABLE[history_hash(prompt + list(new))], np.float32)
+        if allowed[b]:
+          x = np.where(np.isin(np.arange(VOCAB), allowed[b]), x, -np.inf).astype(np.float32)
+        x, ambiguous = process_row(x, rows["temperature"][b], rows["top_k"][b], rows["top_p"][b],
+                                   rows["min_p"][b])
+        assert not ambiguous.any()
+        return log_softmax64(x)
+
+      hyps, _, dead_end = reference_beam_search(next_logprobs, beam_size=k, max_new_tokens=n,
+                                                eos_ids=eos, length_penalty=length_penalty)
+      assert_matches(out, b, hyps, pad_id=12, eos_ids=eos, rtol=1e-5)
+      assert (out.scores[b, len(hyps):] == -np.inf).all() and not dead_end
+    assert (out.lengths[1] == 0).sum() == k - 1  # temperature 0: one path, empty slots
+    assert (out.lengths == 0).sum() > k - 1
+
+
+def test_a_model_that_returns_nan_logits_ends_those_beams_and_reports_the_row():
+  # Past its context a model returns NaN: beams there end without becoming hypotheses (instead
+  # of NUL tokens scored NaN), and the row says so. Row 0 meets NaN at its first model call, so
+  # only EOS candidates of step 0 can be hypotheses; row 1 never; row 2 at step 4.
+  limits = [3, 9, 8]
+  prompts = PROMPTS[:3]
+
+  def step(state, tokens, positions):
+    logits, inner = STEP({"h": state["h"], "calls": state["calls"]}, tokens, positions)
+    return (jnp.where((positions >= state["limit"])[:, None], jnp.nan, logits),
+            dict(inner, limit=state["limit"]))
+
+  logits, state, positions = toy_model.prefill(TABLE, prompts)
+  state = dict(state, limit=jnp.asarray(limits, jnp.int32))
+  out = jaxdecode.beam_search(step, state, logits, positions=positions, beam_size=3,
+                              max_new_tokens=6, eos_ids=[4, 9], pad_id=12)
+  for b, prompt in enumerate(prompts):
+    def next_logprobs(new, b=b, prompt=prompt):
+      if new and len(prompt) + len(new) - 1 >= limits[b]:
+        return np.full(VOCAB, -np.inf)
+      return toy_logprobs(TABLE, prompt)(new)
+
+    hyps, _, dead_end = reference_beam_search(next_logprobs, beam_size=3, max_new_tokens=6,
+                                              eos_ids=(4, 9))
+    assert_matches(out, b, hyps, pad_id=12, eos_ids=(4, 9))
+    assert (out.scores[b, len(hyps):] == -np.inf).all()
+    assert (out.lengths[b, len(hyps):] == 0).all()
+    assert bool(out.dead_end[b]) == dead_end
+  assert out.dead_end.tolist() == [True, False, True]
+  assert (out.lengths[0] <= 1).all() and not np.isnan(np.asarray(out.scores)).any()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,7 +474,7 @@ def test_embedded_transformer_kv_cache_matches_a_full_forward_reference():
       seq, length = jaxdecode.right_pad([prompt + list(new)], pad_id=0, width=width)
       return log_softmax64(models.forward(graphdef, weights, seq, length)[0, int(length[0]) - 1])
 
-    hyps, _ = reference_beam_search(next_logprobs, beam_size=k, max_new_tokens=n, eos_ids=eos,
+    hyps, _, _ = reference_beam_search(next_logprobs, beam_size=k, max_new_tokens=n, eos_ids=eos,
                                     length_penalty=0.7, early_stopping="never")
     assert_matches(out, row, hyps, eos_ids=eos, rtol=1e-5)
 
@@ -369,7 +528,7 @@ def test_penalties_bans_bias_min_new_tokens_temperature_and_top_k_apply_per_beam
           x[x < np.sort(x)[::-1][rows["top_k"][b] - 1]] = -np.inf
         return log_softmax64(x)
 
-      hyps, _ = reference_beam_search(next_logprobs, beam_size=k, max_new_tokens=n,
+      hyps, _, _ = reference_beam_search(next_logprobs, beam_size=k, max_new_tokens=n,
                                       eos_ids=(eos,))
       assert_matches(out, b, hyps, eos_ids=(eos,), rtol=1e-5)
       for toks in np.asarray(out.tokens[b]):

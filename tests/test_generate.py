@@ -1,6 +1,7 @@
 """High-level generation, checkpoints, training pieces and the `jaxdecode` command."""
 
 import io
+import json
 import math
 import re
 import sys
@@ -74,8 +75,8 @@ def test_beam_generate_equals_a_full_forward_beam_search(tiny):
       return reference.log_softmax64(forward(graphdef, weights, seq, length)[0,
                                                                              int(length[0]) - 1])
 
-    hyps, _ = reference.reference_beam_search(next_logprobs, beam_size=k, max_new_tokens=n,
-                                              eos_ids=(TOK.EOS,), length_penalty=0.6)
+    hyps, _, _ = reference.reference_beam_search(next_logprobs, beam_size=k, max_new_tokens=n,
+                                                 eos_ids=(TOK.EOS,), length_penalty=0.6)
     for i, (score, toks) in enumerate(hyps[:r]):
       assert out.beams[row][i] == TOK.decode(list(toks))
       assert out.scores[row, i] == pytest.approx(score, rel=1e-5)
@@ -276,6 +277,26 @@ def test_cli_beams_prints_the_best_beams_with_their_scores(tiny, capsys):
   code, out, _ = run_cli(capsys, "generate", "Hi", "--model", path, "--beams", "2",
                          "--max-new-tokens", "3")
   assert code == 0 and "--- [1] 'Hi' score " in out and "beam 1/" not in out
+
+
+def test_generate_and_the_cli_show_only_the_beams_that_exist(tiny, capsys):
+  # top_k=1 leaves each prompt one possible continuation: 3 beams asked, 1 exists; the empty
+  # slots (score -inf, length 0) are neither texts nor printed beams (issue 33: the CLI used
+  # to print them as beams scored -2e8), and --json stays valid JSON.
+  model, path = tiny
+  out = generate(["Hi"], model=model, max_new_tokens=4, beam_size=3, num_return=3,
+                 params=jaxdecode.SamplingParams(top_k=1))
+  assert out.beams == [out.texts] and len(out.texts[0]) > 0 and out.lengths[0] > 0
+  assert out.scores.tolist() == [[0.0, -np.inf, -np.inf]]  # the argmax path, probability 1
+  code, printed, _ = run_cli(capsys, "generate", "Hi", "--model", path, "--beams", "3",
+                             "--num-return", "3", "--top-k", "1", "--max-new-tokens", "4")
+  assert code == 0 and printed.count(" score ") == 1 and "beam 2/3" not in printed
+  assert "--- [1] 'Hi': 1 possible beam(s) of 3" in printed
+  code, printed, _ = run_cli(capsys, "generate", "Hi", "--model", path, "--beams", "3",
+                             "--num-return", "3", "--top-k", "1", "--max-new-tokens", "4",
+                             "--json")
+  report = json.loads(printed)
+  assert code == 0 and report["beams"] == [out.texts] and report["scores"] == [[0.0]]
 
 
 @pytest.mark.slow

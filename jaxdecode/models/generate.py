@@ -42,8 +42,10 @@ class Generation:
     finished: bool[B] whether the row ended with EOS or a stop string.
     seconds: wall-clock time of the whole call (the first call includes compilation).
     beams: with `beam_size`, the `num_return` best continuations of each prompt, best first
-      (`texts` and the arrays above hold the best one); None otherwise.
-    scores: with `beam_size`, float32[B, num_return] their beam scores; None otherwise.
+      (`texts` and the arrays above hold the best one), fewer where the prompt has fewer
+      possible continuations (bans, truncation, temperature 0); None otherwise.
+    scores: with `beam_size`, float32[B, num_return] their beam scores (-inf after the last of
+      a prompt's `beams`); None otherwise.
     accepted, drafted: with `draft`, int32[B] drafts accepted and proposed per row; None
       otherwise.
     calls: with `draft`, the multi-token model calls made (one per round); None otherwise.
@@ -377,7 +379,9 @@ def _beam_generation(graphdef, state, logits, lengths, counts, started, tokenize
                     params=params, counts=counts, state_axes=DECODE_STATE_AXES)
   tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)  # [B, R, N], [B, R]
   seconds = time.perf_counter() - started
-  beams = [[tokenizer.decode(t[:n]) for t, n in zip(row, row_lengths)]
+  # A slot that no hypothesis reached (length 0, score -inf: the prompt has fewer possible
+  # continuations than num_return) is not a beam.
+  beams = [[tokenizer.decode(t[:n]) for t, n in zip(row, row_lengths) if n > 0]
            for row, row_lengths in zip(tokens, lengths)]
   return Generation([row[0] for row in beams], tokens[:, 0], np.asarray(out.logprobs)[:, 0],
                     lengths[:, 0], np.asarray(out.finished)[:, 0], seconds, beams=beams,

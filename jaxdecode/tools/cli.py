@@ -216,6 +216,9 @@ def _generate(args) -> None:
         rank = f" beam {r + 1}/{args.num_return}" if args.num_return > 1 else ""
         print(f"--- [{i + 1}] {prompt!r}{rank} score {score:.4f}")
         print(prompt + beam_text)
+      if len(out.beams[i]) < args.num_return:
+        print(f"--- [{i + 1}] {prompt!r}: {len(out.beams[i])} possible beam(s) of "
+              f"{args.num_return} (the settings leave fewer possible continuations)")
     if args.prompt_logprobs:
       lp = out.prompt_logprobs[i]
       print(f"    prompt log-probability {float(lp.sum()):.4f} over {lp.size} tokens")
@@ -318,7 +321,9 @@ def _json_report(args, out, options: dict, settings: SamplingParams) -> str:
   if out.prompt_logprobs is not None:
     result["prompt_logprobs"] = [_finite(lp) for lp in out.prompt_logprobs]
   if out.beams is not None:
-    result["beams"], result["scores"] = out.beams, out.scores.tolist()
+    # Only the beams that exist: a prompt with fewer possible continuations has fewer.
+    result["beams"] = out.beams
+    result["scores"] = [row[:len(b)].tolist() for row, b in zip(out.scores, out.beams)]
   return json.dumps(result, ensure_ascii=False, allow_nan=False)
 
 
