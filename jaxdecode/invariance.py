@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Callable, Sequence
 
 import jax
@@ -167,3 +168,100 @@ def audit(prefill: Callable, step_fn: Callable, prompts: Sequence[Sequence[int]]
         max_abs_diff=float(diff), first_logit_divergence=int(diverged[0]) if diverged.size
         else None, first_token_flip=first_flip, tokens_flipped=int(flips.size)))
   return AuditReport(steps=steps, mixes=results)
+
+
+# ---------------------------------------------------------------------------------------------
+# The structural check: which sums of a program does the backend order?
+
+_ADDS = ("stablehlo.add",)
+
+
+def _operations(op):
+  """Every operation nested in `op` (functions, loop bodies, branches), `op` first."""
+  yield op
+  for region in op.regions:
+    for block in region.blocks:
+      for inner in block.operations:
+        yield from _operations(inner.operation)
+
+
+def _shape_and_float(value_type) -> tuple[tuple[int, ...], bool]:
+  from jax.extend.mlir import ir  # pylint: disable=import-outside-toplevel
+  ranked = ir.RankedTensorType(value_type)
+  element = str(ranked.element_type)
+  return tuple(ranked.shape), element.startswith(("f", "bf", "complex"))
+
+
+def _int_list(text: str, key: str = "") -> list[int]:
+  """The integers of `key = [1, 2]` in an attribute's text, or of `array<i64: 1, 2>` (no key)."""
+  match = re.search(re.escape(key) + r" = \[([-\d, ]*)\]", text) if key else \
+      re.search(r"array<i64(?::([-\d, ]*))?>", text)
+  return [int(v) for v in (match.group(1) or "").replace(" ", "").split(",") if v] if match else []
+
+
+def unordered_sums(fn: Callable, *args, platform: str = "cpu") -> list[str]:
+  """The floating-point sums of `jax.jit(fn)(*args)` whose order the backend chooses.
+
+  The program is lowered for `platform` ("cpu", "cuda", "tpu": no such device is needed) and
+  its StableHLO is walked, loops, branches and called functions included. A sum's order is
+  the backend's when it is one op over many terms: a `dot_general` contracting more than one
+  term, an add-`reduce` or add-`reduce_window` over more than one element, a `convolution`, or a
+  `scatter` that adds. Such an op's bits may change with the shape it is given, the kernel XLA
+  picks, the CPU's instruction set, or the device. Elementwise ops (and so the chains and trees
+  that `jaxdecode.models.numerics` and `jaxdecode._reduce` write with them) are not listed:
+  each output element is computed by itself, in the order the program writes. Integer sums are
+  exact in any order and are not listed either.
+
+  Args:
+    fn: the function; it is traced, lowered and walked, never compiled or run.
+    *args: its arguments (arrays or `jax.ShapeDtypeStruct`s).
+    platform: the lowering platform.
+
+  Returns:
+    One line per such op (its name, what it sums, and its source line), empty when the program
+    fixes the order of every float sum.
+  """
+  if platform not in ("cpu", "cuda", "rocm", "tpu"):
+    raise ValueError(f"platform must be 'cpu', 'cuda', 'rocm' or 'tpu'; got {platform!r}")
+  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
+  module = lowered.compiler_ir("stablehlo")
+  found = []
+  for op in _operations(module.operation):
+    name = op.name
+    if name not in ("stablehlo.dot_general", "stablehlo.reduce", "stablehlo.reduce_window",
+                    "stablehlo.convolution", "stablehlo.scatter"):
+      continue
+    shape, is_float = _shape_and_float(op.operands[0].type)
+    if not is_float:
+      continue
+    body = [inner.operation.name for region in op.regions for block in region.blocks
+            for inner in block.operations]
+    what = None
+    if name == "stablehlo.dot_general":
+      dims = _int_list(str(op.attributes["dot_dimension_numbers"]), "lhs_contracting_dimensions")
+      terms = int(np.prod([shape[d] for d in dims])) if dims else 1
+      if terms > 1:
+        what = f"contracts {terms} terms of {shape}"
+    elif name == "stablehlo.reduce" and any(b in _ADDS for b in body):
+      dims = _int_list(str(op.attributes["dimensions"]))
+      terms = int(np.prod([shape[d] for d in dims])) if dims else 1
+      if terms > 1:
+        what = f"adds {terms} terms of {shape} (dimensions {dims})"
+    elif name == "stablehlo.reduce_window" and any(b in _ADDS for b in body):
+      window = _int_list(str(op.attributes["window_dimensions"]))
+      if int(np.prod(window)) > 1:
+        what = f"adds windows {window} of {shape}"
+    elif name == "stablehlo.convolution":
+      what = f"convolves {shape}"
+    elif name == "stablehlo.scatter" and any(b in _ADDS for b in body):
+      what = f"scatter-adds into {shape}"
+    if what:
+      found.append(f"{name} {what} at {_location(op.location)}")
+  return found
+
+
+def _location(location) -> str:
+  """The innermost `file:line` of an MLIR location (the Python line that made the op)."""
+  text = str(location)
+  match = re.findall(r'"([^"]+\.py)":(\d+)', text)
+  return f"{match[0][0].rsplit('/', 1)[-1]}:{match[0][1]}" if match else text[:80]

@@ -4,23 +4,19 @@ Each function has an `invariant` switch; `invariant=False` is the plain XLA form
 negative control, and what the cost is measured against). Weights are arguments, never closed
 over (XLA picks other kernels for constants).
 
-Why plain ops are not invariant on XLA:CPU (measured with jax 0.10.2 on AVX2/FMA):
+Why plain ops are not invariant: a product `x @ w`, a `jnp.sum` or a softmax's normalizer is one
+op over many terms, and the backend chooses the order in which it adds them: XLA:CPU picks a
+kernel (Eigen's matrix-vector product, a YNNPACK matrix kernel) from the row count, the sizes and
+the CPU's instruction set; XLA:GPU picks tiles and split-K; TPU's default precision differs
+between matrix-vector and matrix-matrix products. Measured: on an AVX2 machine a row's bits
+changed between 2 and 61 rows, on an AVX-512 one at other row counts, on an H200 from 25 rows.
 
-- `x @ w` with N rows: N = 1 runs Eigen's matrix-vector kernel; N >= 2 a YNNPACK kernel chosen
-  by a cost model from (N, F, D). For this model's dense shapes N = 1 and every N >= 61 compute
-  the *sequential FMA chain* `acc = fma(x[d], w[d, f], acc)`, d = 0..D-1 (checked against a
-  float64 emulation); N = 2..60 split the sum differently. Odd output widths (259) add classes.
-- A sum over a feature axis (`jnp.sum`, softmax's normalizer) changes its order with the number
-  of rows. Elementwise ops (exp, tanh, rsqrt, cos, +, *) are invariant: XLA does not reassociate.
+So the invariant functions never hand a sum to the backend. Every sum is written out in the
+program as elementwise ops (multiply, add), which every backend computes one output element at
+a time in the order the program writes (XLA never reassociates floating-point adds):
 
-What each invariant function does instead:
-
-- `linear`: always the sequential-FMA chain, through whichever kernel computes it for the static
-  row count: the plain dot for 1 or >= 64 rows, one matrix-vector product per row (`lax.map`)
-  for 2..24 rows, the rows padded to 64 for 25..63. Cost 0.85-1.3x a plain dot.
-- `tied_logits` (x @ E.T): the transposed-weight dot, which has one class for every N >= 2 (259
-  wide too), on every row fed twice (so never a single row, also per device when a batch is
-  split).
+- `linear` (and `tied_logits`, x @ E.T): `chain_matmul`, multiply-add chains over the
+  contraction in blocks of 32 terms, in an order fixed by the weight's shape.
 - `rms_norm`: the mean square by a fixed tree of adds (`jaxdecode._reduce.tree_sum`).
 - `attention`: fixed chunks of 64 cache slots in a `while_loop` that stops after the chunk
   holding the batch's furthest query; tree sums inside a chunk and an online softmax across
@@ -28,11 +24,17 @@ What each invariant function does instead:
   1), so the cache length, the other rows' lengths and stale slots (even NaN) cannot change the
   bits, and the work follows the positions, not the cache length.
 
-The bits depend on the CPU's instruction set and the XLA version: `jaxdecode.audit` (and
-`jaxdecode audit` for the embedded model) checks the promise on your machine. On XLA:GPU the
-kernel classes above do not hold (measured on an NVIDIA H200, jax 0.11.2: `linear` changes a
-row's bits from 25 rows on, `tied_logits` from 8; `rms_norm` and `attention` hold), so the
-audit fails there.
+A row's result is then a function of that row (and the weights) alone, for any number of rows,
+on every backend, and `jaxdecode.invariance.unordered_sums` checks it from the program itself:
+lowered for cpu, cuda or tpu, the invariant pass holds no dot, add-reduce or scatter-add over
+floats (the plain pass holds 38). What is not promised: the same bits on two machines. The
+compiler may fuse a multiply and an add into one FMA (XLA:CPU and NVPTX do where the hardware
+has one), the same way for every element of one program, but not on every CPU or device alike.
+`jaxdecode audit` checks the promise on a given machine.
+
+The cost: every product is computed by XLA's elementwise code instead of a tuned matrix kernel.
+On XLA:CPU that is a single-threaded loop; `jaxdecode bench` (numerics table) measures it
+against `invariant=False`, the fast, documented alternative.
 """
 
 from __future__ import annotations
@@ -46,19 +48,59 @@ from jax import lax
 from jaxdecode._reduce import tree_sum
 
 CHUNK = 64  # cache slots per attention chunk; a cache holds a multiple of it (changing it changes bits)
-_LARGE_ROWS = 64  # from here on YNNPACK's large-M kernel computes the sequential-FMA chain
-_GEMV_ROWS = 24  # up to here one matrix-vector product per row is cheapest
+TERMS = 32  # contraction terms per block of `chain_matmul` (changing it changes bits)
+LANES = 4  # multiply-add chains per block (changing it changes bits)
+TILE = 32  # output columns per tile of `chain_matmul` (layout only: the bits do not depend on it)
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def _sequential_fma_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [N, D] @ w [D, F] in the sequential-FMA class, for every static N."""
-  n = x.shape[0]
-  if n == 1 or n >= _LARGE_ROWS:
-    return x @ w
-  if n <= _GEMV_ROWS:  # the loop body is a [1, D] @ [D, F] dot: Eigen's GEMV
-    return lax.map(lambda row: row @ w, x[:, None, :])[:, 0]
-  return (jnp.pad(x, ((0, _LARGE_ROWS - n), (0, 0))) @ w)[:n]
+def _blocks(w: jax.Array) -> jax.Array:
+  """w [D, F] -> [D/T, F/V, T, V]: block b, tile j holds w[bT:(b+1)T, jV:(j+1)V] (zero-padded).
+
+  A layout for the chain below: one block of T contraction rows is one slice of the leading
+  axis, and a tile's T x V entries are contiguous, so the chain reads them from the cache
+  whatever F is (reading T rows of a [D, 1024] weight column-wise hit one cache set).
+  """
+  depth, width = w.shape
+  blocks, tiles = -(-depth // TERMS), -(-width // TILE)
+  w = jnp.pad(w, ((0, blocks * TERMS - depth), (0, tiles * TILE - width)))
+  return jnp.transpose(w.reshape(blocks, TERMS, tiles, TILE), (0, 2, 1, 3))
+
+
+def chain_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [N, D] @ w [D, F] with the order of every sum written into the program.
+
+  Output (n, f) is the sum over d of x[n, d] * w[d, f] in this order, and in no other: the
+  contraction is cut into blocks of T = 32 terms, block 0 first; inside a block, term t goes to
+  lane t mod 4, each lane a multiply-add chain in order of t, and the four lanes are added as
+  (l0 + l1) + (l2 + l3); that block total is added to the running sum. Every step is an
+  elementwise op on [F/V, N, V] arrays (V = 32 output columns per tile), which XLA computes
+  one output element at a time in the expression's order on any backend: no kernel chooses an
+  order, so output (n, f) depends on row n of x and on w alone, for every N. The lanes give the
+  CPU independent chains to overlap; the block loop is a `lax.scan` with a constant trip count.
+
+  Padding adds terms 0 * 0 (D up to a multiple of T) and columns that are cut off again; both
+  depend on the weight's shape alone.
+  """
+  rows, depth = x.shape
+  width = w.shape[1]
+  wb = _blocks(w)  # [nb, nt, T, V]
+  n_blocks, n_tiles = wb.shape[:2]
+  xb = jnp.pad(x, ((0, 0), (0, n_blocks * TERMS - depth))).reshape(rows, n_blocks, TERMS)
+  xb = jnp.transpose(xb, (1, 0, 2))  # [nb, N, T]
+
+  def block(total, operands):
+    xk, wk = operands  # [N, T], [nt, T, V]
+    lanes = [None] * LANES
+    for t in range(TERMS):
+      term = xk[None, :, t, None] * wk[:, None, t, :]  # [nt, N, V]
+      lane = t % LANES
+      lanes[lane] = term if lanes[lane] is None else lanes[lane] + term
+    return total + ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])), None
+
+  dtype = jnp.result_type(x, w)
+  total, _ = lax.scan(block, jnp.zeros((n_tiles, rows, TILE), dtype), (xb, wb))
+  return jnp.transpose(total, (1, 0, 2)).reshape(rows, n_tiles * TILE)[:, :width]
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
@@ -66,7 +108,7 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
   """`nnx.Linear`: x [..., D] @ w [D, F], then + b."""
   if invariant:
     lead = x.shape[:-1]
-    y = _sequential_fma_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.shape[1])
+    y = chain_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.shape[1])
   else:
     y = lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
   return y if b is None else y + _lead(b, y.ndim)
@@ -81,12 +123,7 @@ def tied_logits(x: jax.Array, embedding: jax.Array, *, invariant: bool) -> jax.A
   """`nnx.Embed.attend`: x [..., D] @ embedding [V, D].T."""
   if not invariant:
     return jnp.dot(x, embedding.T)
-  lead = x.shape[:-1]
-  x2 = x.reshape(-1, x.shape[-1])
-  n = x2.shape[0]
-  pairs = jnp.broadcast_to(x2[:, None, :], (n, 2, x2.shape[1])).reshape(2 * n, x2.shape[1])
-  y = lax.dot_general(pairs, embedding, (((1,), (1,)), ((), ())))
-  return y.reshape(n, 2, -1)[:, 0].reshape(*lead, embedding.shape[0])
+  return linear(x, embedding.T, invariant=True)  # the transpose is folded into `_blocks`' copy
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6, *, invariant: bool) -> jax.Array:
