@@ -210,12 +210,19 @@ def apply_token_sets(x: jax.Array, banned: jax.Array, allowed: jax.Array) -> jax
 
 
 def apply_logit_bias(x: jax.Array, ids: jax.Array, biases: jax.Array) -> jax.Array:
-  """Adds `biases[b, j]` to `x[b, ids[b, j]]` (duplicates add up). ids/biases: [B, K]."""
+  """Adds `biases[b, j]` to `x[b, ids[b, j]]` (duplicates add up). ids/biases: [B, K].
+
+  Duplicates are added by a fixed tree over j (every entry j gets the total of its id), then
+  written with a plain scatter: a scatter-add would leave their order to the backend (GPU
+  atomics), and duplicates would then write equal values in any order.
+  """
   ids = valid_ids(ids, x.shape[-1])
 
   def add(x):
     rows = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
-    bias = jnp.zeros(x.shape, jnp.float32).at[rows, ids].add(biases, mode="drop")
+    same = ids[:, :, None] == ids[:, None, :]  # [B, K, K]
+    totals = _reduce.tree_sum(jnp.where(same, biases[:, None, :], 0.0), axis=-1)  # [B, K]
+    bias = jnp.zeros(x.shape, jnp.float32).at[rows, ids].set(totals, mode="drop")
     return _saturate(x, x + bias)
 
   return lax.cond(jnp.any((ids < x.shape[-1]) & (biases != 0)), add, lambda x: x, x)
