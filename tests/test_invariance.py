@@ -95,9 +95,9 @@ def test_needle_alone_equals_the_needle_in_random_batches_bit_for_bit(small):
 
 
 @pytest.mark.slow
-def test_needle_over_200_mixes_of_batch_sizes_1_to_16(small):
+def test_needle_over_200_mixes_of_batch_sizes_1_to_32(small):
   count = 0
-  for m, alone, together in needle_mixes(*small, mixes=200, batches=[1, 2, 3, 5, 8, 13, 16],
+  for m, alone, together in needle_mixes(*small, mixes=200, batches=list(range(1, 33)),
                                          seed=1):
     chex.assert_trees_all_equal(alone, together, custom_message=f"mix {m}")
     count += 1
@@ -115,6 +115,24 @@ def test_the_plain_numerics_differ_in_some_mix_so_the_needle_test_can_fail():
                                          seed=0):
     differs += not all(np.array_equal(a, b) for a, b in zip(alone, together))
   assert differs > 0
+
+
+def test_k_token_calls_equal_single_steps_bit_for_bit_for_k_up_to_32(small):
+  """Speculative verification's call: K tokens per row at once, K = 2 .. 32, against one token
+  per call, for rows at different positions."""
+  graphdef, weights, step_fn = small
+  prompts = corpus_prompts(3, seed=11, low=5, high=30)
+  tokens, lengths = right_pad(prompts, pad_id=258, width=32)
+  _, state = prefill(graphdef, weights, tokens, lengths, cache_length=64)
+  feed = jnp.asarray(np.random.default_rng(2).integers(0, 256, (3, 32)), jnp.int32)
+  singles, s = [], state
+  for t in range(32):
+    logits, s = step_fn(s, feed[:, t], lengths + t)
+    singles.append(logits)
+  singles = jnp.stack(singles, axis=1)  # [B, 32, V]
+  for k in (2, 3, 7, 16, 32):
+    many, _ = step_fn(state, feed[:, :k], lengths)
+    np.testing.assert_array_equal(many, singles[:, :k], err_msg=f"K = {k}")
 
 
 @pytest.mark.slow
