@@ -511,6 +511,7 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
   positions = _checks.row_integers("positions", positions, batch, "one per row of the logits")
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
   axes = leaf_axes(state_axes, state, batch)
+  decoding.check_fits(step_fn, state, positions, max_new_tokens, "beam_search")
   return _beam_search_jit(step_fn, state, jnp.asarray(logits), params, positions, eos, pad,
                           counts, length_penalty, loop.as_processors(logits_processors),
                           axes=axes, beam_size=beam_size, num_return=num_return,

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxdecode import _checks
@@ -32,6 +33,10 @@ class DecodeOutput:
       (0 after EOS, so a row's sum is its sequence log-probability; 0 for temperature-0 rows).
     lengths: int32[B] new tokens up to and including the EOS (N for rows that did not stop).
     finished: bool[B] True where the row emitted an EOS id.
+    dead_end: bool[B] True where a step of the row had nothing selectable (its processed
+      logits all -inf or NaN: e.g. a model past its cache, or your processor removed every
+      token). The row stopped at that step: `lengths` does not count it, and `tokens` hold
+      `pad_id` from there.
     state: the model state after the last `step_fn` call (it has seen every new token except
       the last, which is `tokens[:, -1]`; feed it to continue).
     top_tokens: with `top_logprobs=K`, int32[B, N, K]: at each step the K most likely tokens,
@@ -47,6 +52,7 @@ class DecodeOutput:
   finished: jax.Array
   state: Any
   # Keyword-only, so that subclasses (`SpeculativeOutput`) can add fields without defaults.
+  dead_end: jax.Array = dataclasses.field(kw_only=True)
   top_tokens: Any = dataclasses.field(default=None, kw_only=True)
   top_logprobs: Any = dataclasses.field(default=None, kw_only=True)
 
@@ -85,6 +91,39 @@ def check_step_output(out, state, shape: tuple) -> None:
                        f"{jnp.shape(new)} {jnp.result_type(new)}")
 
 
+def position_limit(step_fn, state) -> int | None:
+  """How many positions `state` can hold (a call may feed positions 0 .. limit - 1), when the
+  step function knows: `step_fn.position_limit(state)`, an attribute a step function over a
+  cache of fixed length declares (the embedded model's does); None otherwise."""
+  declared = getattr(step_fn, "position_limit", None)
+  if declared is None:
+    return None
+  limit = declared(state)
+  return None if limit is None else _checks.integer("step_fn.position_limit(state)", limit,
+                                                    low=0)
+
+
+def check_fits(step_fn, state, positions, max_new_tokens: int, caller: str) -> None:
+  """Raises ValueError, before anything runs, when the step function declares how many positions
+  its state holds (`position_limit`) and some row would need more: N new tokens from position p
+  feed the model positions p .. p + N - 2, so the state must hold p + N - 1 positions. (Past
+  them a model has no valid logits; a row that meets logits with nothing selectable would stop
+  there, a dead end.) Traced positions are not checked."""
+  limit = position_limit(step_fn, state)
+  if limit is None or _checks.is_traced(positions):
+    return
+  need = np.asarray(positions, np.int64) + max_new_tokens - 1
+  if need.size == 0 or need.max() <= limit:
+    return
+  row = int(np.argmax(need))
+  start = int(np.asarray(positions)[row])
+  raise ValueError(f"{caller}: max_new_tokens={max_new_tokens} does not fit the model state: "
+                   f"row {row} starts at position {start}, so it needs {int(need[row])} "
+                   f"positions, but the state holds {limit} (step_fn.position_limit(state)); "
+                   f"prefill with a cache of at least {int(need.max())} positions, or ask for at "
+                   f"most {max(limit - int(np.asarray(positions).max()) + 1, 0)} new tokens")
+
+
 def make_spec(key, params: SamplingParams, positions, eos_ids, pad_id, logits_processors,
               *, batch: int, vocab: int) -> loop.LoopSpec:
   """The `LoopSpec` of checked inputs, built under jit (sanitizes traced values by rule)."""
@@ -116,10 +155,11 @@ def score(logits, processed, token, logprob, *, top_logprobs: int, logprobs_mode
   return logprob, ids.astype(jnp.int32), values
 
 
-def _record_top(s: loop.LoopState, top: TopState, ids, values) -> TopState:
-  """Writes each live row's list at its column `lengths[b]` (as `loop.record` does the token)."""
+def _record_top(s: loop.LoopState, top: TopState, ids, values, selectable) -> TopState:
+  """Writes each live row's list at its column `lengths[b]` (as `loop.record` does the token;
+  not for a row whose step had nothing selectable)."""
   rows = jnp.arange(ids.shape[0], dtype=jnp.int32)
-  column = jnp.where(s.live, s.lengths, s.tokens.shape[1])  # N: dropped
+  column = jnp.where(s.live & selectable, s.lengths, s.tokens.shape[1])  # N: dropped
   return TopState(tokens=top.tokens.at[rows, column].set(ids, mode="drop"),
                   logprobs=top.logprobs.at[rows, column].set(values, mode="drop"))
 
@@ -135,11 +175,12 @@ def draw_and_record(spec: loop.LoopSpec, s: loop.LoopState, top: TopState | None
     token, logprob = loop.draw(spec, s, logits, step)
     return loop.record(spec, s, token, logprob), top
   token, logprob, processed = loop.draw_processed(spec, s, logits, step)
+  selectable = ~jnp.isnan(logprob)  # the processed log-probability marks a dead end
   logprob, ids, values = score(logits, processed, token, logprob, top_logprobs=top_logprobs,
                                logprobs_mode=logprobs_mode)
   if top is not None:
-    top = _record_top(s, top, ids, values)
-  return loop.record(spec, s, token, logprob), top
+    top = _record_top(s, top, ids, values, selectable)
+  return loop.record(spec, s, token, logprob, selectable=selectable), top
 
 
 def start(spec: loop.LoopSpec, model_state, logits, counts, max_new_tokens: int, *,
@@ -190,6 +231,7 @@ def output(carry) -> DecodeOutput:
   """The `DecodeOutput` of a loop carry `(LoopState, TopState | None, logits)`."""
   s, top, _ = carry
   return DecodeOutput(s.tokens, s.logprobs, s.lengths, s.finished, s.model_state,
+                      dead_end=s.dead_end,
                       top_tokens=None if top is None else top.tokens,
                       top_logprobs=None if top is None else top.logprobs)
 
@@ -295,6 +337,7 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
   counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
   positions = _checks.row_integers("positions", positions, batch, "one per row of the logits")
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
+  check_fits(step_fn, state, positions, max_new_tokens, "decode")
   return _decode_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad, counts,
                      loop.as_processors(logits_processors), max_new_tokens=max_new_tokens,
                      chunk_size=chunk_size, top_logprobs=top_logprobs,

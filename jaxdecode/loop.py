@@ -10,7 +10,8 @@ it again:
 - `draw`: the token of step t of each row, exactly as `decode` draws it (user processors,
   `min_new_tokens`, the processor chain, key `fold_in(row_key, t)`), so that any loop that draws
   through it gives `decode`'s tokens;
-- `record`: appends one token to the rows that are still live (EOS, pad, lengths, counts);
+- `record`: appends one token to the rows that are still live (EOS, pad, lengths, counts); a
+  row whose step had nothing selectable stops there instead (a dead end);
 - `run_chunks`: repeats a step in scanned chunks and stops after the first chunk that leaves no
   live row (or, for a loop with a stopping rule of its own, after the first that satisfies it).
 
@@ -82,6 +83,9 @@ class LoopState:
     lengths: int32[B], new tokens so far, an EOS included.
     finished: bool[B], True once the row emitted an EOS id.
     counts: int32[B, V], token counts for the penalties.
+    dead_end: bool[B], True once a step of the row had nothing selectable (its processed logits
+      all -inf or NaN: a model past its cache, a processor that removes every token); the row
+      stopped there, without a token for that step.
   """
   model_state: Any
   last: jax.Array
@@ -90,14 +94,15 @@ class LoopState:
   lengths: jax.Array
   finished: jax.Array
   counts: jax.Array
+  dead_end: jax.Array
 
   def replace(self, **changes) -> "LoopState":
     return dataclasses.replace(self, **changes)
 
   @property
   def live(self) -> jax.Array:
-    """bool[B]: rows that still generate (no EOS yet, fewer than N tokens)."""
-    return ~self.finished & (self.lengths < self.tokens.shape[1])
+    """bool[B]: rows that still generate (no EOS yet, no dead end, fewer than N tokens)."""
+    return ~self.finished & ~self.dead_end & (self.lengths < self.tokens.shape[1])
 
 
 def eos_mask(eos_ids: jax.Array, vocab: int) -> jax.Array:
@@ -119,7 +124,8 @@ def init_state(spec: LoopSpec, model_state, counts: jax.Array, max_new_tokens: i
                    tokens=jnp.full((batch, max_new_tokens), spec.pad_id, jnp.int32),
                    logprobs=jnp.zeros((batch, max_new_tokens), jnp.float32),
                    lengths=jnp.zeros((batch,), jnp.int32),
-                   finished=jnp.zeros((batch,), bool), counts=counts)
+                   finished=jnp.zeros((batch,), bool), counts=counts,
+                   dead_end=jnp.zeros((batch,), bool))
 
 
 def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array) -> jax.Array:
@@ -165,24 +171,30 @@ def draw_processed(spec: LoopSpec, state: LoopState, logits: jax.Array, step: ja
 
 
 def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Array,
-           live: jax.Array | None = None) -> LoopState:
+           live: jax.Array | None = None, selectable: jax.Array | None = None) -> LoopState:
   """Appends `token[b]` (with `logprob[b]`) to every row b that is `live` (default: `state.live`).
 
   The token goes to column `lengths[b]` and becomes the row's `last`; the row's count of it grows
-  by one; an EOS id finishes the row. Rows not recorded keep their buffers; a finished row's
-  `last` is pad_id (what the model is fed for it from then on).
+  by one; an EOS id finishes the row. A live row whose step had nothing `selectable` (default:
+  where `logprob` is NaN, `draw`'s mark of such a row) records nothing and stops: its `dead_end`
+  is set and its length does not count the step. Rows not recorded keep their buffers; a
+  finished or dead-ended row's `last` is pad_id (what the model is fed for it from then on).
   """
   recorded = state.live if live is None else live & state.live
+  selectable = ~jnp.isnan(logprob) if selectable is None else selectable
+  dead_end = state.dead_end | (recorded & ~selectable)
+  recorded = recorded & selectable
   rows = jnp.arange(token.shape[0], dtype=jnp.int32)
   column = jnp.where(recorded, state.lengths, state.tokens.shape[1])  # N: dropped
   finished = state.finished | (recorded & spec.is_eos[token])
   return state.replace(
-      last=jnp.where(recorded, token, jnp.where(finished, spec.pad_id, state.last)),
+      last=jnp.where(recorded, token, jnp.where(finished | dead_end, spec.pad_id, state.last)),
       tokens=state.tokens.at[rows, column].set(token, mode="drop"),
       logprobs=state.logprobs.at[rows, column].set(logprob, mode="drop"),
       lengths=state.lengths + recorded,
       finished=finished,
-      counts=state.counts.at[rows, token].add(recorded.astype(jnp.int32)))
+      counts=state.counts.at[rows, token].add(recorded.astype(jnp.int32)),
+      dead_end=dead_end)
 
 
 def all_done(state: LoopState) -> jax.Array:

@@ -14,7 +14,10 @@ the probability that the drawn token equals the draft.
 
 The model is rolled back by position alone: a round that accepts a < K drafts leaves stale cache
 entries beyond the row's new position, which the next call overwrites before anything reads
-them. Caches must hold `prompt + max_new_tokens + K` positions.
+them. A cache must hold the `prompt + max_new_tokens - 1` positions whose logits the tokens are
+drawn from (`decode`'s need; checked when the step function declares `position_limit`); the
+last rounds also write drafts up to K positions past those, which the step function must drop
+(the embedded model drops writes past its cache) or have room for.
 
 Drafters (pure pytrees with `propose(context, num_draft_tokens) -> (drafts int32[B, K],
 drafter)`; write your own):
@@ -38,7 +41,7 @@ from jax import lax
 from jaxdecode import _checks
 from jaxdecode import loop
 from jaxdecode import processors
-from jaxdecode.decoding import DecodeOutput, check_step_output, make_spec
+from jaxdecode.decoding import DecodeOutput, check_fits, check_step_output, make_spec
 from jaxdecode.params import SamplingParams
 
 
@@ -192,7 +195,7 @@ def _speculative(step_fn, state, logits, key, params, positions, eos_ids, pad_id
   def verify(carry, j):
     s, in_run, accepted, logits, drafts = carry
     token, logprob = loop.draw(spec, s, logits[:, j], s.lengths)
-    recorded = in_run & s.live
+    recorded = in_run & s.live & ~jnp.isnan(logprob)  # NaN: nothing selectable, a dead end
     s = loop.record(spec, s, token, logprob, in_run)
     draft = drafts[:, jnp.minimum(j, k - 1)]
     match = (j < k) & (token == draft)
@@ -239,7 +242,7 @@ def _speculative(step_fn, state, logits, key, params, positions, eos_ids, pad_id
       advance, carry, first=0, rounds=max_new_tokens, chunk=chunk_size,
       done=lambda c: loop.all_done(c[0]))
   return SpeculativeOutput(s.tokens, s.logprobs, s.lengths, s.finished, s.model_state,
-                           accepted, drafted, calls)
+                           accepted, drafted, calls, dead_end=s.dead_end)
 
 
 _speculative_jit = jax.jit(_speculative, static_argnames=(
@@ -287,6 +290,7 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
   counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
   positions = _checks.row_integers("positions", positions, batch, "one per row of the logits")
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
+  check_fits(step_fn, state, positions, max_new_tokens, "speculative_decode")
   return _speculative_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad,
                           counts, loop.as_processors(logits_processors), drafter,
                           max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,

@@ -106,6 +106,73 @@ def test_eos_is_kept_then_only_pad_and_lengths_count_through_eos():
   assert (lp[after] == 0).all() and (lp[~after] < 0).all()
 
 
+def limited_step(limits):
+  """The toy model, with NaN logits from position limits[b] on (a model past its cache)."""
+  def step(state, tokens, positions):
+    logits, state = STEP(state, tokens, positions)
+    return jnp.where((positions >= jnp.asarray(limits))[:, None], jnp.nan, logits), state
+  return step
+
+
+@pytest.mark.parametrize("top_logprobs,logprobs_mode", [(0, "processed"), (2, "raw")])
+def test_a_row_whose_step_has_nothing_selectable_stops_there_and_is_reported(top_logprobs,
+                                                                             logprobs_mode):
+  # Issue 33: past the cache the model's logits are NaN; a row used to go on with token 0 and a
+  # NaN log-probability, counted in its length. Now it stops at that step: the same tokens as
+  # without the limit before it, pad after, its length without the step, `dead_end` set. Row 2
+  # has nothing selectable in its prefill logits: length 0.
+  n, prompts = 9, PROMPTS[:5]
+  limits = [6, 4, 99, 99, 7]  # row 0 (prompt of 3): tokens 1..3 from positions 3..5, then NaN
+  logits, state, positions = toy_model.prefill(TABLE, prompts)
+  logits = logits.at[2].set(-jnp.inf)
+  kw = dict(key=jax.random.key(3), params=SamplingParams(temperature=0.8), max_new_tokens=n,
+            positions=positions, pad_id=12, top_logprobs=top_logprobs,
+            logprobs_mode=logprobs_mode)
+  out = decoding.decode(limited_step(limits), state, logits, **kw)
+  free = decoding.decode(STEP, state, logits, **kw)
+  # Token t >= 1 comes from the logits at position p + t - 1: NaN once that reaches the limit.
+  expected = [0 if b == 2 else min(n, limits[b] - len(p) + 1) for b, p in enumerate(prompts)]
+  assert out.lengths.tolist() == expected == [4, 4, 0, 9, 5]
+  assert out.dead_end.tolist() == [True, True, True, False, True] and not out.finished.any()
+  for b, length in enumerate(expected):
+    assert out.tokens[b, :length].tolist() == free.tokens[b, :length].tolist()
+    assert (out.tokens[b, length:] == 12).all() and (out.logprobs[b, length:] == 0).all()
+    np.testing.assert_array_equal(out.logprobs[b, :length], free.logprobs[b, :length])
+    if top_logprobs:
+      np.testing.assert_array_equal(out.top_tokens[b, :length], free.top_tokens[b, :length])
+      assert (out.top_tokens[b, length:] == 12).all() and (out.top_logprobs[b, length:] == 0).all()
+  assert not np.isnan(np.asarray(out.logprobs)).any()
+
+
+def with_limit(step, limit):
+  """`step` declaring that its state holds `limit` positions (what a fixed-size cache knows)."""
+  def declared(state, tokens, positions):
+    calls.append(1)
+    return step(state, tokens, positions)
+  calls = []
+  declared.position_limit = lambda state: limit
+  return declared, calls
+
+
+def test_a_step_fn_that_declares_its_cache_size_gets_a_request_past_it_refused_before_running():
+  logits, state, positions = toy_model.prefill(TABLE, PROMPTS[:3])  # prompt lengths 3, 1, 5
+  step, calls = with_limit(STEP, 10)
+  message = (r"decode: max_new_tokens=7 does not fit the model state: row 2 starts at position "
+             r"5, so it needs 11 positions, but the state holds 10 \(step_fn.position_limit"
+             r"\(state\)\); prefill with a cache of at least 11 positions, or ask for at most 6 "
+             r"new tokens")
+  with pytest.raises(ValueError, match=message):
+    decoding.decode(step, state, logits, key=jax.random.key(0), params=SamplingParams(),
+                    max_new_tokens=7, positions=positions)
+  with pytest.raises(ValueError, match=message.replace("decode", "beam_search")):
+    jaxdecode.beam_search(step, state, logits, beam_size=2, max_new_tokens=7,
+                          positions=positions)
+  assert calls == []  # refused before anything ran
+  out = decoding.decode(step, state, logits, key=jax.random.key(0), params=SamplingParams(),
+                        max_new_tokens=6, positions=positions)  # exactly fits: 5 + 6 - 1 = 10
+  assert out.lengths.tolist() == [6, 6, 6] and not out.dead_end.any()
+
+
 def test_no_eos_ids_means_every_row_runs_to_max_new_tokens():
   logits, state, positions = toy_model.prefill(TABLE, PROMPTS)
   out = decoding.decode(STEP, state, logits, key=jax.random.key(0), params=SamplingParams(),

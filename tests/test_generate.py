@@ -279,6 +279,34 @@ def test_cli_beams_prints_the_best_beams_with_their_scores(tiny, capsys):
   assert code == 0 and "--- [1] 'Hi' score " in out and "beam 1/" not in out
 
 
+@pytest.mark.slow
+def test_decoding_past_the_models_cache_stops_the_row_or_is_refused_up_front(tiny):
+  # Issue 33: past the prefilled cache the model's logits are NaN, and decode used to emit NUL
+  # tokens with NaN log-probabilities, counted in `lengths`. With the model's own step function
+  # the row now stops where the cache ends (`dead_end`); generate's step function declares its
+  # cache (`position_limit`), so the request is refused before it runs.
+  from jaxdecode.models import make_step_fn, prefill
+  from jaxdecode.models.generate import step_fn_for
+  model, _ = tiny
+  graphdef, weights = nnx.split(model)
+  tokens, lengths = jaxdecode.right_pad([TOK.encode("Hi"), TOK.encode("Hello")], pad_id=TOK.PAD,
+                                        width=8)
+  logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=8)
+  slots = state.cache.k[0].shape[1]  # positions the cache holds (at least 8, at most max_len)
+  n = slots - 1  # prompts of 3 and 6 tokens: the positions run out for both rows
+  kw = dict(key=jax.random.key(0), params=jaxdecode.SamplingParams(temperature=0.0),
+            max_new_tokens=n, positions=lengths, eos_ids=[TOK.EOS], pad_id=TOK.PAD)
+  out = jaxdecode.decode(make_step_fn(graphdef), state, logits, **kw)
+  stopped = slots - np.asarray(lengths) + 1  # the token at position `slots` has no logits
+  ran = ~np.asarray(out.finished)
+  assert ran.any() and (out.dead_end == ran).all()
+  assert (out.lengths[ran] == stopped[ran]).all() and not np.isnan(np.asarray(out.logprobs)).any()
+  with pytest.raises(ValueError, match=rf"decode: max_new_tokens={n} does not fit the model "
+                                       rf"state: row 1 starts at position 6, so it needs "
+                                       rf"{6 + n - 1} positions, but the state holds {slots}"):
+    jaxdecode.decode(step_fn_for(graphdef), state, logits, **kw)
+
+
 def test_generate_and_the_cli_show_only_the_beams_that_exist(tiny, capsys):
   # top_k=1 leaves each prompt one possible continuation: 3 beams asked, 1 exists; the empty
   # slots (score -inf, length 0) are neither texts nor printed beams (issue 33: the CLI used

@@ -167,6 +167,36 @@ def test_a_model_with_history_rolls_back_by_position():
   assert_same_as_decode(out, jaxdecode.decode(HASHED_STEP, state, logits, **args))
 
 
+def test_a_dead_end_stops_a_row_as_decode_does_and_a_declared_cache_is_checked():
+  # Rows meet NaN logits (a model past its cache) at different positions: speculative decoding
+  # stops them at the same step as decode, bit for bit, without counting a draft there.
+  logits, state, positions, drafter = setup()
+  limits = jnp.asarray([12, 5, 99, 9, 99, 6], jnp.int32)
+
+  def step(state, tokens, positions):
+    out, state = STEP(state, tokens, positions)
+    at = positions[:, None] + jnp.arange(tokens.shape[1])[None, :] if tokens.ndim == 2 else \
+        positions
+    return jnp.where((at >= (limits[:, None] if tokens.ndim == 2 else limits))[..., None],
+                     jnp.nan, out), state
+
+  kw = dict(key=jax.random.key(1), params=SETTINGS["mixed rows"], max_new_tokens=12,
+            positions=positions)
+  ref = jaxdecode.decode(step, state, logits, **kw)
+  spec = jaxdecode.speculative_decode(step, state, logits, drafter=drafter, num_draft_tokens=3,
+                                      **kw)
+  assert_same_as_decode(spec, ref)
+  np.testing.assert_array_equal(spec.dead_end, ref.dead_end)
+  assert ref.dead_end.tolist() == [True, True, False, True, False, True]
+  assert (spec.accepted <= spec.lengths).all()
+
+  step.position_limit = lambda state: 18
+  with pytest.raises(ValueError, match=r"speculative_decode: max_new_tokens=12 does not fit the "
+                                       r"model state: row 0 starts at position 9, so it needs "
+                                       r"20 positions, but the state holds 18"):
+    jaxdecode.speculative_decode(step, state, logits, drafter=drafter, num_draft_tokens=3, **kw)
+
+
 def test_ngram_lookup_continues_the_latest_match_periodically():
   prompts = [[5, 6, 7, 8, 5, 6], [1, 2, 3, 4], [9, 9, 9]]
   tokens, lengths = jaxdecode.right_pad(prompts, buckets=None)

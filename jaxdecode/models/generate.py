@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Sequence
 
@@ -40,6 +41,9 @@ class Generation:
       its processed distribution); 0 after the row's end.
     lengths: int32[B] new tokens per row, including the EOS or the stop string's tokens.
     finished: bool[B] whether the row ended with EOS or a stop string.
+    dead_end: bool[B] whether the row stopped at a step with nothing selectable
+      (`DecodeOutput.dead_end`; with `beam_size`, `BeamOutput.dead_end`). `generate` refuses the
+      requests it can foresee that of (a prompt past the context, params that leave nothing).
     seconds: wall-clock time of the whole call (the first call includes compilation).
     beams: with `beam_size`, the `num_return` best continuations of each prompt, best first
       (`texts` and the arrays above hold the best one), fewer where the prompt has fewer
@@ -64,6 +68,7 @@ class Generation:
   lengths: np.ndarray
   finished: np.ndarray
   seconds: float
+  dead_end: np.ndarray
   beams: list | None = None
   scores: np.ndarray | None = None
   accepted: np.ndarray | None = None
@@ -100,10 +105,22 @@ def batch_prefill(model: Transformer, *, extra: int, pad_id: int = ByteTokenizer
 
 
 def step_fn_for(graphdef):
-  """The jitted step function of a model structure, built once (so decode compiles once)."""
+  """The jitted step function of a model structure, built once (so decode compiles once). It
+  declares `position_limit(state)`: the positions its cache holds, at most the model's
+  `max_len` (past them the model's logits are NaN), so that `decode`, `beam_search`,
+  `speculative_decode` and `stream` refuse a request that does not fit before running it."""
   if graphdef not in _STEP_FNS:
-    _STEP_FNS[graphdef] = make_step_fn(graphdef)
+    step_fn = make_step_fn(graphdef)
+    step_fn.position_limit = functools.partial(position_limit, graphdef)
+    _STEP_FNS[graphdef] = step_fn
   return _STEP_FNS[graphdef]
+
+
+def position_limit(graphdef, state) -> int:
+  """The positions a `DecodeState` of the model `graphdef` holds: its cache's slots, at most the
+  model's `max_len` (RoPE's trained range)."""
+  slots = jax.tree.leaves(state.cache.k)[0].shape[1]  # each layer's cache is [B, S, H, Dh]
+  return min(slots, nnx.merge(graphdef, state.weights).config.max_len)
 
 
 def generate(prompts: Sequence[str], *, model: Transformer | None = None,
@@ -211,7 +228,8 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
   else:
     texts = [tokenizer.decode(row[:k]) for row, k in zip(new_tokens, out_lengths)]
   seconds = time.perf_counter() - batch.started
-  return Generation(texts, new_tokens, logprobs, out_lengths, finished, seconds, **stats,
+  return Generation(texts, new_tokens, logprobs, out_lengths, finished, seconds,
+                    np.asarray(out.dead_end), **stats,
                     top_tokens=tops[0], top_logprobs=tops[1],
                     prompt_logprobs=batch.prompt_logprobs)
 
@@ -383,6 +401,8 @@ def _beam_generation(graphdef, state, logits, lengths, counts, started, tokenize
   # continuations than num_return) is not a beam.
   beams = [[tokenizer.decode(t[:n]) for t, n in zip(row, row_lengths) if n > 0]
            for row, row_lengths in zip(tokens, lengths)]
-  return Generation([row[0] for row in beams], tokens[:, 0], np.asarray(out.logprobs)[:, 0],
-                    lengths[:, 0], np.asarray(out.finished)[:, 0], seconds, beams=beams,
+  return Generation([row[0] if row else "" for row in beams], tokens[:, 0],
+                    np.asarray(out.logprobs)[:, 0],
+                    lengths[:, 0], np.asarray(out.finished)[:, 0], seconds,
+                    np.asarray(out.dead_end), beams=beams,
                     scores=np.asarray(out.scores), prompt_logprobs=prompt_logprobs)

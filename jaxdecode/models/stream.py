@@ -35,14 +35,18 @@ class StreamChunk:
     texts: per row, the new text since the previous chunk ("" if none). Joining a row's pieces
       gives `generate`'s text for the same arguments.
     finished: bool[R], rows that ended with EOS or a stop string (`Generation.finished`).
-    done: bool[R], rows that will produce no more text (finished, or `max_new_tokens` reached).
+    done: bool[R], rows that will produce no more text (finished, `max_new_tokens` reached, or
+      a dead end: a step with nothing selectable, as `DecodeOutput.dead_end`).
     lengths: int32[R], new tokens per row so far (as `Generation.lengths` at the end).
+    dead_end: bool[R], rows that stopped at a step with nothing selectable
+      (`Generation.dead_end`).
   """
 
   texts: list
   finished: np.ndarray
   done: np.ndarray
   lengths: np.ndarray
+  dead_end: np.ndarray
 
 
 def stream(prompts: Sequence[str], *, model: Transformer | None = None,
@@ -104,6 +108,7 @@ def _chunks(batch, max_new_tokens: int, chunk_size: int) -> Iterator[StreamChunk
   params, counts = processors.check_call(batch.logits, batch.params, batch.counts,
                                          caller="stream", loop=True)
   counts = jnp.zeros(batch.logits.shape, jnp.int32) if counts is None else counts
+  decoding.check_fits(step_fn, batch.state, batch.lengths, max_new_tokens, "stream")
   inputs = (batch.key, params, batch.lengths, jnp.asarray([tok.EOS], jnp.int32),
             jnp.asarray(tok.PAD, jnp.int32))
   carry = _start(step_fn, batch.state, batch.logits, counts, *inputs,
@@ -116,21 +121,22 @@ def _chunks(batch, max_new_tokens: int, chunk_size: int) -> Iterator[StreamChunk
     if t < max_new_tokens:  # dispatched now, runs while the host decodes `carry`
       following = _chunk(step_fn, carry, *inputs, jnp.int32(t), chunk_size=chunk_size)
     s = carry[0]
-    tokens, lengths, finished = jax.device_get((s.tokens, s.lengths, s.finished))
-    chunk = _texts(rows, seen, tokens, lengths, finished, max_new_tokens)
+    tokens, lengths, finished, dead_end = jax.device_get((s.tokens, s.lengths, s.finished,
+                                                          s.dead_end))
+    chunk = _texts(rows, seen, tokens, lengths, finished, dead_end, max_new_tokens)
     yield chunk
     if chunk.done.all() or following is None:
       return
     carry, t = following, t + chunk_size
 
 
-def _texts(rows, seen, tokens, lengths, finished, max_new_tokens: int) -> StreamChunk:
+def _texts(rows, seen, tokens, lengths, finished, dead_end, max_new_tokens: int) -> StreamChunk:
   """Feeds each row's new tokens to its `RowText`; returns the chunk of released text."""
   pieces, stopped, done, out_lengths = [], [], [], []
   for r, row in enumerate(rows):
     row.feed(tokens[r, seen[r]:lengths[r]])
     seen[r] = lengths[r]
-    over = row.stopped or finished[r] or lengths[r] >= max_new_tokens
+    over = row.stopped or finished[r] or dead_end[r] or lengths[r] >= max_new_tokens
     if over:
       row.close()
     pieces.append(row.release())
@@ -138,7 +144,7 @@ def _texts(rows, seen, tokens, lengths, finished, max_new_tokens: int) -> Stream
     done.append(over)
     out_lengths.append(row.tokens if row.stopped else lengths[r])
   return StreamChunk(pieces, np.asarray(finished) | np.asarray(stopped), np.asarray(done),
-                     np.asarray(out_lengths, np.int32))
+                     np.asarray(out_lengths, np.int32), np.asarray(dead_end, bool))
 
 
 @functools.partial(jax.jit, static_argnames=("step_fn", "max_new_tokens"))

@@ -272,7 +272,7 @@ def _print_stream(prompts, n: int, options: dict):
         header(current)
     sys.stdout.flush()
   return models.Generation(texts, None, None, chunk.lengths, chunk.finished,
-                           time.perf_counter() - started)
+                           time.perf_counter() - started, chunk.dead_end)
 
 
 def _token_text(token: int) -> str:
