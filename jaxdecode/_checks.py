@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 _INT32 = np.iinfo(np.int32)
+# Key data words per PRNG implementation (`jax.random.key_impl`), for naming a foreign legacy key.
+_LEGACY_KEY_SIZES = {"threefry2x32": 2, "rbg": 4, "unsafe_rbg": 4}
 
 
 def is_traced(x) -> bool:
@@ -127,6 +129,8 @@ def logits(value, name: str = "logits") -> tuple[int, int]:
                      f"got dtype {dtype}")
   if shape[1] < 1:
     raise ValueError(f"{name} must have a vocabulary of at least one token; got shape {shape}")
+  if shape[0] < 1:
+    raise ValueError(f"{name} must have at least one row (B >= 1); got shape {shape}")
   return shape
 
 
@@ -230,8 +234,26 @@ def key(key, batch_size: int) -> None:
                      f"got dtype {dtype} with shape {shape}")
   key_size = jax.random.key_data(jax.random.key(0)).shape[-1]
   if shape not in ((key_size,), (batch_size, key_size)):
-    raise ValueError(f"a legacy uint32 key must have shape ({key_size},) for one key or "
-                     f"({batch_size}, {key_size}) for one per row; got shape {shape}")
+    impl = jax.config.jax_default_prng_impl
+    other = [name for name, size in _LEGACY_KEY_SIZES.items()
+             if name != impl and shape[-1:] == (size,) and len(shape) in (1, 2)]
+    hint = (f" (uint32 data of shape {shape} may come from PRNGKey(..., impl="
+            f"{' or '.join(map(repr, other))}); raw key data does not say which implementation "
+            f"made it, so pass a typed key: jax.random.wrap_key_data(key, impl=...))"
+            if other else "")
+    raise ValueError(f"key: a legacy uint32 key (jax.random.PRNGKey of the default "
+                     f"implementation, {impl}) must have shape ({key_size},) for one key or "
+                     f"({batch_size}, {key_size}) for one per row; got shape {shape}{hint}")
+
+
+def beam_size_fits(beam_size: int, batch: int, vocab: int, name: str = "beam_size") -> None:
+  """Raises ValueError unless a row's K * V continuations and the B * K beams can be indexed in
+  int32 (the search's candidate and row indices)."""
+  limit = min(_INT32.max // vocab, _INT32.max // batch)
+  if beam_size > limit:
+    raise ValueError(f"{name} must be at most {limit} for {batch} row(s) and a vocabulary of "
+                     f"{vocab} tokens (the K * V candidates of a row and the B * K beams are "
+                     f"indexed in int32); got {beam_size}")
 
 
 def beam_options(beam_size, num_return, length_penalty) -> tuple[int, int, float]:

@@ -500,6 +500,7 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
     raise ValueError(f"step_fn must be callable; got {type(step_fn).__name__}")
   beam_size, num_return, length_penalty = _checks.beam_options(beam_size, num_return,
                                                                length_penalty)
+  _checks.beam_size_fits(beam_size, batch, vocab)
   max_new_tokens = _checks.integer("max_new_tokens", max_new_tokens, low=1)
   chunk_size = _checks.integer("chunk_size", chunk_size, low=1)
   early_stopping = _checks.early_stopping(early_stopping)

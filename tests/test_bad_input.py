@@ -16,6 +16,7 @@ X = jnp.zeros((3, 10))
     (jnp.zeros((2, 3, 10)), "use jax.vmap"),
     (jnp.zeros((3, 10), jnp.int32), "floating-point"),
     (jnp.zeros((3, 0)), "at least one token"),
+    (jnp.zeros((0, 10)), r"logits must have at least one row \(B >= 1\); got shape \(0, 10\)"),
 ])
 def test_malformed_logits_raise(logits, fragment):
   for call in (lambda: jaxdecode.sample(jax.random.key(0), logits),
@@ -46,6 +47,38 @@ def test_per_row_params_must_match_the_batch():
 def test_bad_keys_raise(key, fragment):
   with pytest.raises(ValueError, match=fragment):
     jaxdecode.sample(key, X)
+
+
+def test_a_legacy_key_of_another_prng_implementation_is_named_with_the_fix():
+  key = jax.random.PRNGKey(0, impl="rbg")  # uint32[4]: its data does not say which impl made it
+  with pytest.raises(ValueError, match=r"key: a legacy uint32 key \(jax.random.PRNGKey of the "
+                                       r"default implementation, threefry2x32\) must have shape "
+                                       r"\(2,\).*got shape \(4,\).*impl='rbg' or 'unsafe_rbg'"
+                                       r".*jax.random.wrap_key_data\(key, impl=...\)"):
+    jaxdecode.sample(key, X)
+  typed = jax.random.wrap_key_data(key, impl="rbg")  # the fix the message gives works
+  assert jaxdecode.sample(typed, X).shape == (3,)
+
+
+def test_the_loops_refuse_an_empty_batch_and_a_beam_count_past_int32_indices():
+  step = lambda state, tokens, positions: (jnp.zeros((tokens.shape[0], 10)), state)
+  empty, none = jnp.zeros((0, 10)), jnp.zeros(0, jnp.int32)
+  for call in (
+      lambda: jaxdecode.decode(step, {}, empty, key=jax.random.key(0), params=SamplingParams(),
+                               max_new_tokens=2, positions=none),
+      lambda: jaxdecode.beam_search(step, {}, empty, beam_size=2, max_new_tokens=2,
+                                    positions=none),
+      lambda: jaxdecode.speculative_decode(step, {}, empty, key=jax.random.key(0),
+                                           params=SamplingParams(), max_new_tokens=2,
+                                           positions=none, drafter=jaxdecode.NgramDrafter(
+                                               jnp.zeros((0, 2), jnp.int32), none))):
+    with pytest.raises(ValueError, match=r"logits must have at least one row"):
+      call()
+  with pytest.raises(ValueError, match=r"beam_size must be at most 214748364 for 1 row\(s\) and "
+                                       r"a vocabulary of 10 tokens .*indexed in int32\); got "
+                                       r"999999999"):
+    jaxdecode.beam_search(step, {}, jnp.zeros((1, 10)), beam_size=999_999_999, max_new_tokens=2,
+                          positions=jnp.zeros(1, jnp.int32))
 
 
 def test_nan_logits_are_never_chosen_while_a_finite_one_exists():

@@ -307,6 +307,23 @@ def test_decoding_past_the_models_cache_stops_the_row_or_is_refused_up_front(tin
     jaxdecode.decode(step_fn_for(graphdef), state, logits, **kw)
 
 
+def test_cli_mistakes_are_one_line_naming_the_flag_before_anything_runs(tiny, capsys):
+  _, path = tiny
+  for argv, message in [
+      (["generate", "Hi", "--model", path, "--beams", "999999999"],
+       "--beams must be at most 8291442 for 1 row(s) and a vocabulary of 259 tokens"),
+      (["generate", "Hi", "--model", path, "--min-new-tokens", "9", "--max-new-tokens", "8"],
+       "--min-new-tokens 9 is more than --max-new-tokens 8: no row could end with EOS"),
+      # The audit checks its steps against the context before printing its header.
+      (["audit", "--model", path, "--mixes", "1", "--steps", "8"],
+       "--steps 8 does not fit: the audit's prompts take up to")]:
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1 and message in err, err
+  with pytest.raises(ValueError, match=r"min_new_tokens \(5\) is more than max_new_tokens \(4\)"):
+    generate(["Hi"], model=tiny[0], max_new_tokens=4,
+             params=jaxdecode.SamplingParams(min_new_tokens=[5]))
+
+
 def test_generate_and_the_cli_show_only_the_beams_that_exist(tiny, capsys):
   # top_k=1 leaves each prompt one possible continuation: 3 beams asked, 1 exists; the empty
   # slots (score -inf, length 0) are neither texts nor printed beams (issue 33: the CLI used

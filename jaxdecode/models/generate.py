@@ -304,6 +304,9 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
   # Per-row values and token ids against the prompts and the vocabulary, before the prefill.
   params.broadcast(len(prompts), model.config.vocab_size)
   check_eos_not_forced(params, [tokenizer.EOS], model.config.vocab_size)
+  _check_min_new_tokens(params, max_new_tokens)
+  if beam_size is not None:
+    _checks.beam_size_fits(beam_size, len(prompts), model.config.vocab_size)
   started = time.perf_counter()
   tokens, lengths = right_pad(ids, pad_id=tokenizer.PAD, width=width)
   graphdef, weights = nnx.split(model)
@@ -332,6 +335,18 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
   return Prepared(tokenizer, graphdef, ids, tokens, lengths, width, room, logits, state, key,
                   params, counts, started, n, stop, include_stop, top_logprobs, logprobs_mode,
                   prompt_lp)
+
+
+def _check_min_new_tokens(params: SamplingParams, max_new_tokens: int) -> None:
+  """ValueError for a min_new_tokens above max_new_tokens (EOS could never end such a row: ask
+  for exactly max_new_tokens tokens with min_new_tokens = max_new_tokens)."""
+  if _checks.is_traced(params.min_new_tokens):
+    return
+  most = int(np.max(np.asarray(params.min_new_tokens)))
+  if most > max_new_tokens:
+    raise ValueError(f"min_new_tokens ({most}) is more than max_new_tokens ({max_new_tokens}): "
+                     f"no row could end with EOS; use min_new_tokens <= max_new_tokens "
+                     f"(equal: exactly max_new_tokens tokens)")
 
 
 def _drafter(draft, batch: Prepared):

@@ -162,6 +162,10 @@ def _generate(args) -> None:
   if beams is not None and args.greedy:
     raise ValueError("--greedy and --beams exclude each other: beam search is already "
                      "deterministic (--greedy would make every beam a point mass)")
+  if args.min_new_tokens > args.max_new_tokens:
+    raise ValueError(f"--min-new-tokens {args.min_new_tokens} is more than --max-new-tokens "
+                     f"{args.max_new_tokens}: no row could end with EOS; use at most "
+                     f"{args.max_new_tokens}")
   if beams is not None and args.num_return > beams:
     raise ValueError(f"--num-return {args.num_return} is more than --beams {beams}: the search "
                      f"keeps {beams} beams per prompt")
@@ -184,6 +188,8 @@ def _generate(args) -> None:
   elif draft not in (None, "ngram"):
     draft = models.load_checkpoint(draft)[0]  # a missing or broken file: a clear ValueError
   model = _load_model(args.model)
+  if beams is not None:
+    _checks.beam_size_fits(beams, len(args.prompts), model.config.vocab_size, name="--beams")
   options = dict(model=model, params=params, seed=args.seed, max_new_tokens=args.max_new_tokens,
                  penalize_prompt=args.penalize_prompt, stop=args.stop,
                  include_stop=args.include_stop, n=args.n)
@@ -358,20 +364,25 @@ def _audit(args) -> None:
     _files.read_input(args.model, "checkpoint")
   prompts = audit_prompts(max(8, args.max_batch), args.seed)
   width = bucket_length(max(len(p) for p in prompts))  # the widest batch, padded
+
+  def load(invariant: bool):
+    if args.model is None:
+      return models.load_default(batch_invariant=invariant)[0]
+    return models.load_checkpoint(args.model, batch_invariant=invariant)[0]
+
+  # Everything that can be refused is checked before the header, so that an error is one line.
+  first = load(True)
+  context = first.config.max_len
+  if width + args.steps > context:
+    hint = (f"use --steps {context - width} or fewer" if context > width else
+            "use a model with a longer context")
+    raise ValueError(f"--steps {args.steps} does not fit: the audit's prompts take up to "
+                     f"{width} tokens (padded) of the model's context of {context}; {hint}")
   print(f"jaxdecode audit: {args.mixes} random mixes per mode (batches of 2..{args.max_batch}, "
         f"random slots and partners), {args.steps} greedy steps, on {jax.default_backend()}")
   summary = []
   for invariant in (True, False):
-    if args.model is None:
-      model = models.load_default(batch_invariant=invariant)[0]
-    else:
-      model = models.load_checkpoint(args.model, batch_invariant=invariant)[0]
-    context = model.config.max_len
-    if width + args.steps > context:
-      hint = (f"use --steps {context - width} or fewer" if context > width else
-              "use a model with a longer context")
-      raise ValueError(f"--steps {args.steps} does not fit: the audit's prompts take up to "
-                       f"{width} tokens (padded) of the model's context of {context}; {hint}")
+    model = first if invariant else load(False)
     step_fn = models.make_step_fn(nnx.graphdef(model))
     report = invariance_audit(models.batch_prefill(model, extra=args.steps), step_fn, prompts,
                               steps=args.steps, mixes=args.mixes, max_batch=args.max_batch,
