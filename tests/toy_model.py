@@ -63,7 +63,7 @@ def make_cached_step(table):
   def step(state, tokens, positions):
     single = tokens.ndim == 1
     tokens = tokens[:, None] if single else tokens
-    rows = jnp.arange(tokens.shape[0])
+    rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     h = state["h"]
     value = h[rows, jnp.maximum(positions - 1, 0)] * (positions > 0)  # the hash before the call
     logits = []
