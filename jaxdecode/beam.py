@@ -61,7 +61,8 @@ class BeamOutput:
     scores: float32[B, R] `sum(logprobs) / lengths ** length_penalty`, descending in each row.
       A slot with no hypothesis (only when the row has fewer than R possible sequences: tight
       truncation, bans, allowed ids, temperature 0 or -inf logits) has score -inf and length 0,
-      and comes after every hypothesis.
+      and comes after every hypothesis. (A hypothesis scores -inf too where lengths **
+      length_penalty underflows to 0, e.g. length_penalty=-200; its length tells it apart.)
     lengths: int32[B, R] new tokens, an EOS included; 0 in an empty slot.
     finished: bool[B, R] True where the hypothesis ends with an EOS id (False where it reached
       `max_new_tokens`).
@@ -268,7 +269,11 @@ def beam_step(spec: loop.LoopSpec, s: BeamState, logits: jax.Array, t: jax.Array
     open_row = open_row & ~jnp.all(s.final_filled, axis=1, keepdims=True)
   just_ended = ends[:, :beams] & possible[:, :beams] & open_row  # [B, K]
   length = t + 1
-  score = cand_scores[:, :beams] / jnp.power(length.astype(jnp.float32), length_penalty)
+  # A sum of 0 (every token certain) scores 0 at any length, also where length ** length_penalty
+  # underflows to 0 or overflows (0 / 0 would be NaN).
+  total_top = cand_scores[:, :beams]
+  score = jnp.where(total_top == 0, jnp.float32(0),
+                    total_top / jnp.power(length.astype(jnp.float32), length_penalty))
   top_parent = parent[:, :beams]  # [B, K]
   columns = jnp.arange(n, dtype=jnp.int32)[None, None, :] == t  # [1, 1, N]
   tokens = jnp.where(columns, token[:, :beams, None],

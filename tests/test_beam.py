@@ -197,7 +197,7 @@ def test_a_single_possible_path_gives_one_hypothesis_and_empty_slots_at_any_leng
   # three of them copies scored -4.6e6 (length_penalty 3) or -0.0146 (12), above real beams.
   table = _log([[0, 1, 0, 0], [0, 0, .5, .5], [0, 0, 0, 1], [0, 1, 0, 0]])
   table[1] = [-np.inf, -np.inf, 0.0, -np.inf]  # after 1: 2 for sure; so 0 1 2 3 1 2 3 ...
-  for length_penalty in (3.0, 12.0, -2.0, 0.0):
+  for length_penalty in (3.0, 12.0, -2.0, 0.0, -200.0):  # -200: 6 ** -200 underflows to 0
     out = jaxdecode.beam_search(_chain_step(table), {}, jnp.asarray(table[[0]]), beam_size=4,
                                 max_new_tokens=6, positions=jnp.array([1]), pad_id=0,
                                 length_penalty=length_penalty)
