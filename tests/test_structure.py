@@ -116,7 +116,7 @@ def test_the_invariant_chain_matmul_is_the_float64_product_to_float32_accuracy()
   x = rng.standard_normal((5, 1000)).astype(np.float32)
   w = (rng.standard_normal((1000, 259)) / 30).astype(np.float32)
   from jaxdecode.models import numerics  # pylint: disable=import-outside-toplevel
-  got = np.asarray(numerics.chain_matmul(jnp.asarray(x), jnp.asarray(w)), np.float64)
+  got = np.asarray(numerics.linear(jnp.asarray(x), jnp.asarray(w), invariant=True), np.float64)
   exact = x.astype(np.float64) @ w.astype(np.float64)
   bound = 1000 * np.finfo(np.float32).eps * (np.abs(x).astype(np.float64) @ np.abs(w))
   assert np.all(np.abs(got - exact) <= bound)

@@ -155,10 +155,10 @@ def prefill_with_logprobs(graphdef, weights, tokens, lengths, *, cache_length: i
     log-softmax of its logits, with the samplers' batch-invariant sum); columns at or past
     `lengths[b] - 1` are meaningless.
   """
-  logits, cache, logprobs = _prefill_with_logprobs(
+  logits, cache, blocks, logprobs = _prefill_with_logprobs(
       graphdef, weights, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32),
       cache_length=cache_length)
-  return logits, transformer.DecodeState(weights=weights, cache=cache), logprobs
+  return logits, transformer.DecodeState(weights=weights, cache=cache, blocks=blocks), logprobs
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_length"))
@@ -167,9 +167,10 @@ def _prefill_with_logprobs(graphdef, weights, tokens, lengths, *, cache_length):
   batch, width = tokens.shape
   cache, start = transformer._opaque((  # pylint: disable=protected-access
       transformer.init_cache(model.config, batch, cache_length), jnp.zeros((batch,), jnp.int32)))
-  logits, cache = model.run(tokens, start, cache)  # [B, T, V], as in prefill
+  blocks = model.chain_blocks() if model.config.batch_invariant else None
+  logits, cache = model.run(tokens, start, cache, blocks)  # [B, T, V], as in prefill
   last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
   vocab = logits.shape[-1]
   logp = sampling.log_softmax(processors.prepare(logits[:, :-1].reshape(-1, vocab)))
   logp = logp.reshape(batch, width - 1, vocab)
-  return last, cache, jnp.take_along_axis(logp, tokens[:, 1:, None], axis=2)[..., 0]
+  return last, cache, blocks, jnp.take_along_axis(logp, tokens[:, 1:, None], axis=2)[..., 0]

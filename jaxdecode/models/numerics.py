@@ -16,7 +16,8 @@ program as elementwise ops (multiply, add), which every backend computes one out
 a time in the order the program writes (XLA never reassociates floating-point adds):
 
 - `linear` (and `tied_logits`, x @ E.T): `chain_matmul`, multiply-add chains over the
-  contraction in blocks of 32 terms, in an order fixed by the weight's shape.
+  contraction in blocks of 32 terms, in an order fixed by the weight's shape. It reads the
+  weight in a tiled copy (`chain_blocks`) that the model makes once per set of weights.
 - `rms_norm`: the mean square by a fixed tree of adds (`jaxdecode._reduce.tree_sum`).
 - `attention`: fixed chunks of 64 cache slots in a `while_loop` that stops after the chunk
   holding the batch's furthest query; tree sums inside a chunk and an online softmax across
@@ -54,12 +55,14 @@ TILE = 32  # output columns per tile of `chain_matmul` (layout only: the bits do
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def _blocks(w: jax.Array) -> jax.Array:
-  """w [D, F] -> [D/T, F/V, T, V]: block b, tile j holds w[bT:(b+1)T, jV:(j+1)V] (zero-padded).
+def chain_blocks(w: jax.Array) -> jax.Array:
+  """w [D, F] -> the layout `chain_matmul` reads: [D/T, F/V, T, V], zero-padded.
 
-  A layout for the chain below: one block of T contraction rows is one slice of the leading
-  axis, and a tile's T x V entries are contiguous, so the chain reads them from the cache
-  whatever F is (reading T rows of a [D, 1024] weight column-wise hit one cache set).
+  Block b, tile j holds w[bT:(b+1)T, jV:(j+1)V]. One block of T contraction rows is one slice
+  of the leading axis, and a tile's T x V entries are contiguous, so the chain reads them in
+  order whatever F is (reading T rows of a [D, 1024] weight column by column maps them all to
+  one cache set). It is a copy of the weight: make it once per set of weights
+  (`Transformer.chain_blocks`, which `prefill` keeps in the `DecodeState`), not once per step.
   """
   depth, width = w.shape
   blocks, tiles = -(-depth // TERMS), -(-width // TILE)
@@ -67,7 +70,7 @@ def _blocks(w: jax.Array) -> jax.Array:
   return jnp.transpose(w.reshape(blocks, TERMS, tiles, TILE), (0, 2, 1, 3))
 
 
-def chain_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+def chain_matmul(x: jax.Array, blocks: jax.Array, width: int) -> jax.Array:
   """x [N, D] @ w [D, F] with the order of every sum written into the program.
 
   Output (n, f) is the sum over d of x[n, d] * w[d, f] in this order, and in no other: the
@@ -81,11 +84,14 @@ def chain_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
   Padding adds terms 0 * 0 (D up to a multiple of T) and columns that are cut off again; both
   depend on the weight's shape alone.
+
+  Args:
+    x: [N, D].
+    blocks: `chain_blocks(w)` of the weight w [D, F].
+    width: F.
   """
   rows, depth = x.shape
-  width = w.shape[1]
-  wb = _blocks(w)  # [nb, nt, T, V]
-  n_blocks, n_tiles = wb.shape[:2]
+  n_blocks, n_tiles = blocks.shape[:2]
   xb = jnp.pad(x, ((0, 0), (0, n_blocks * TERMS - depth))).reshape(rows, n_blocks, TERMS)
   xb = jnp.transpose(xb, (1, 0, 2))  # [nb, N, T]
 
@@ -96,19 +102,25 @@ def chain_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
       term = xk[None, :, t, None] * wk[:, None, t, :]  # [nt, N, V]
       lane = t % LANES
       lanes[lane] = term if lanes[lane] is None else lanes[lane] + term
-    return total + ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])), None
+    while len(lanes) > 1:  # a pairwise tree: (l0 + l1) + (l2 + l3) for 4 lanes
+      lanes = [lanes[i] + lanes[i + 1] for i in range(0, len(lanes), 2)]
+    return total + lanes[0], None
 
-  dtype = jnp.result_type(x, w)
-  total, _ = lax.scan(block, jnp.zeros((n_tiles, rows, TILE), dtype), (xb, wb))
+  dtype = jnp.result_type(x, blocks)
+  total, _ = lax.scan(block, jnp.zeros((n_tiles, rows, TILE), dtype), (xb, blocks))
   return jnp.transpose(total, (1, 0, 2)).reshape(rows, n_tiles * TILE)[:, :width]
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
-           invariant: bool) -> jax.Array:
-  """`nnx.Linear`: x [..., D] @ w [D, F], then + b."""
+           invariant: bool, blocks: jax.Array | None = None) -> jax.Array:
+  """`nnx.Linear`: x [..., D] @ w [D, F], then + b.
+
+  `blocks` (invariant only) is `chain_blocks(w)` made ahead; without it each call makes it.
+  """
   if invariant:
     lead = x.shape[:-1]
-    y = chain_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.shape[1])
+    blocks = chain_blocks(w) if blocks is None else blocks
+    y = chain_matmul(x.reshape(-1, x.shape[-1]), blocks, w.shape[1]).reshape(*lead, w.shape[1])
   else:
     y = lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
   return y if b is None else y + _lead(b, y.ndim)
@@ -119,11 +131,12 @@ def _lead(v: jax.Array, ndim: int) -> jax.Array:
   return v.reshape((1,) * (ndim - 1) + v.shape)
 
 
-def tied_logits(x: jax.Array, embedding: jax.Array, *, invariant: bool) -> jax.Array:
-  """`nnx.Embed.attend`: x [..., D] @ embedding [V, D].T."""
+def tied_logits(x: jax.Array, embedding: jax.Array, *, invariant: bool,
+                blocks: jax.Array | None = None) -> jax.Array:
+  """`nnx.Embed.attend`: x [..., D] @ embedding [V, D].T (`blocks`: `chain_blocks(embedding.T)`)."""
   if not invariant:
     return jnp.dot(x, embedding.T)
-  return linear(x, embedding.T, invariant=True)  # the transpose is folded into `_blocks`' copy
+  return linear(x, embedding.T, invariant=True, blocks=blocks)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6, *, invariant: bool) -> jax.Array:

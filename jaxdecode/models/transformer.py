@@ -128,14 +128,18 @@ class DecodeState:
     weights: the model weights (`nnx.split(model)[1]`), carried so that a jitted decode loop
       receives them as traced data rather than as constants.
     cache: the `KVCache`.
+    blocks: with batch-invariant numerics, `Transformer.chain_blocks()`: the weights of every
+      product in the layout the invariant products read, made once by `prefill` rather than
+      at every step (None: each step makes them; the bits are the same either way).
   """
   weights: nnx.State
   cache: KVCache
+  blocks: dict | None = None
 
 
 # Each DecodeState leaf's batch axis, for `jaxdecode.beam_search(..., state_axes=...)`: the
-# weights are shared, every cache array is [B, S, H, Dh].
-DECODE_STATE_AXES = DecodeState(weights=None, cache=KVCache(k=0, v=0))
+# weights and their blocks are shared, every cache array is [B, S, H, Dh].
+DECODE_STATE_AXES = DecodeState(weights=None, cache=KVCache(k=0, v=0), blocks=None)
 
 
 def cache_slots(length: int) -> int:
@@ -192,30 +196,49 @@ class Transformer(nnx.Module):
     self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
     self.final_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
 
-  def _block(self, block: Block, x, attend, invariant: bool):
-    """One pre-norm block; `attend(q, k, v)` does the attention (cached or whole-sequence)."""
+  def chain_blocks(self) -> dict:
+    """The weight of every product in the layout of the invariant products
+    (`numerics.chain_blocks`): a copy of the weights, made once per set of weights.
+
+    Returns:
+      `{"layers": ({"qkv", "out", "mlp_in", "mlp_out"}, ...), "logits": ...}`.
+    """
+    layers = tuple({name: numerics.chain_blocks(kernel) for name, kernel in (
+        ("qkv", b.attention.qkv.kernel[...]), ("out", b.attention.out.kernel[...]),
+        ("mlp_in", b.mlp_in.kernel[...]), ("mlp_out", b.mlp_out.kernel[...]))}
+                   for b in self.blocks)
+    return {"layers": layers, "logits": numerics.chain_blocks(self.embed.embedding[...].T)}
+
+  def _block(self, block: Block, x, attend, invariant: bool, blocks: dict | None = None):
+    """One pre-norm block; `attend(q, k, v)` does the attention (cached or whole-sequence);
+    `blocks`: the block's entry of `chain_blocks()` (invariant only; None makes them here)."""
     cfg = self.config
     batch, width, _ = x.shape
+    pre = blocks or {}
     h = numerics.rms_norm(x, block.attention_norm.scale[...], block.attention_norm.epsilon,
                           invariant=invariant)
-    qkv = numerics.linear(h, block.attention.qkv.kernel[...], invariant=invariant)
+    qkv = numerics.linear(h, block.attention.qkv.kernel[...], invariant=invariant,
+                          blocks=pre.get("qkv"))
     qkv = qkv.reshape(batch, width, 3, cfg.n_heads, cfg.head_dim)
     att = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])  # [B, T, H, Dh]
     x = x + numerics.linear(att.reshape(batch, width, cfg.d_model),
-                            block.attention.out.kernel[...], invariant=invariant)
+                            block.attention.out.kernel[...], invariant=invariant,
+                            blocks=pre.get("out"))
     h = numerics.rms_norm(x, block.mlp_norm.scale[...], block.mlp_norm.epsilon,
                           invariant=invariant)
-    h = numerics.linear(h, block.mlp_in.kernel[...], block.mlp_in.bias[...], invariant=invariant)
+    h = numerics.linear(h, block.mlp_in.kernel[...], block.mlp_in.bias[...], invariant=invariant,
+                        blocks=pre.get("mlp_in"))
     h = numerics.linear(jax.nn.gelu(h), block.mlp_out.kernel[...], block.mlp_out.bias[...],
-                        invariant=invariant)
+                        invariant=invariant, blocks=pre.get("mlp_out"))
     return x + h
 
-  def _logits(self, x, invariant: bool):
+  def _logits(self, x, invariant: bool, blocks=None):
     x = numerics.rms_norm(x, self.final_norm.scale[...], self.final_norm.epsilon,
                           invariant=invariant)
-    return numerics.tied_logits(x, self.embed.embedding[...], invariant=invariant)
+    return numerics.tied_logits(x, self.embed.embedding[...], invariant=invariant, blocks=blocks)
 
-  def run(self, tokens: jax.Array, positions: jax.Array, cache: KVCache):
+  def run(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+          blocks: dict | None = None):
     """The one inference pass: K tokens per row through the KV cache.
 
     `tokens[b, t]` has position `positions[b] + t`; its key and value go to that slot (a slot
@@ -225,6 +248,8 @@ class Transformer(nnx.Module):
       tokens: int32[B, K].
       positions: int32[B], the position of `tokens[:, 0]`.
       cache: a `KVCache`.
+      blocks: `chain_blocks()` of these weights, made ahead (batch-invariant numerics only;
+        None makes them in this call: the same bits, one copy of the weights more per call).
 
     Returns:
       `(logits float32[B, K, V], cache)`; logits at a position past the cache or at or past
@@ -232,6 +257,8 @@ class Transformer(nnx.Module):
     """
     cfg = self.config
     invariant = cfg.batch_invariant
+    if invariant and blocks is None:
+      blocks = self.chain_blocks()
     batch, width = tokens.shape
     slots = cache.k[0].shape[1]
     q_pos = positions.astype(jnp.int32)[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
@@ -245,8 +272,9 @@ class Transformer(nnx.Module):
         new_k[layer] = new_k[layer].at[rows, q_pos].set(k, mode="drop")
         new_v[layer] = new_v[layer].at[rows, q_pos].set(v, mode="drop")
         return numerics.attention(q, new_k[layer], new_v[layer], q_pos, invariant=invariant)
-      x = self._block(block, x, attend, invariant)
-    logits = self._logits(x, invariant)
+      x = self._block(block, x, attend, invariant,
+                      blocks["layers"][layer] if invariant else None)
+    logits = self._logits(x, invariant, blocks["logits"] if invariant else None)
     inside = (q_pos < slots) & (q_pos < cfg.max_len)
     logits = jnp.where(inside[:, :, None], logits, jnp.nan)
     return logits, KVCache(k=tuple(new_k), v=tuple(new_v))
@@ -319,20 +347,21 @@ def prefill(graphdef: nnx.GraphDef, weights: nnx.State, tokens: jax.Array, lengt
     raise ValueError(f"cache_length must be between the prompt width T and max_len; got: "
                      f"{jnp.shape(tokens)[-1]} <= {cache_length} <= {config.max_len} is false")
   _check_prompt(config, tokens, lengths, cache_length, "cache_length")
-  logits, cache = _prefill(graphdef, weights, jnp.asarray(tokens, jnp.int32),
-                           jnp.asarray(lengths, jnp.int32), cache_length=cache_length)
-  return logits, DecodeState(weights=weights, cache=cache)
+  logits, cache, blocks = _prefill(graphdef, weights, jnp.asarray(tokens, jnp.int32),
+                                   jnp.asarray(lengths, jnp.int32), cache_length=cache_length)
+  return logits, DecodeState(weights=weights, cache=cache, blocks=blocks)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_length"))
 def _prefill(graphdef, weights, tokens, lengths, *, cache_length):
-  """Jitted `prefill`; returns `(logits [B, V], KVCache)`."""
+  """Jitted `prefill`; returns `(logits [B, V], KVCache, chain blocks or None)`."""
   model = nnx.merge(graphdef, weights)
   batch = tokens.shape[0]
   cache, start = _opaque((init_cache(model.config, batch, cache_length),
                           jnp.zeros((batch,), jnp.int32)))
-  logits, cache = model.run(tokens, start, cache)
-  return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0], cache
+  blocks = model.chain_blocks() if model.config.batch_invariant else None
+  logits, cache = model.run(tokens, start, cache, blocks)
+  return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0], cache, blocks
 
 
 def make_step_fn(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None = None,
@@ -356,12 +385,12 @@ def make_step_fn(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None = Non
     written and their logits are NaN.
   """
 
-  def run(weights, cache, tokens, positions):
-    return nnx.merge(graphdef, weights).run(tokens, positions, cache)
+  def run(weights, blocks, cache, tokens, positions):
+    return nnx.merge(graphdef, weights).run(tokens, positions, cache, blocks)
 
   if mesh is not None:
-    rows = jax.sharding.PartitionSpec(axis)
-    run = jax.shard_map(run, mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), rows, rows, rows),
+    rows, shared = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
+    run = jax.shard_map(run, mesh=mesh, in_specs=(shared, shared, rows, rows, rows),
                         out_specs=(rows, rows), check_vma=False)
 
   def step_fn(state: DecodeState, tokens: jax.Array, positions: jax.Array):
@@ -373,9 +402,9 @@ def make_step_fn(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None = Non
                        f"({batch},), one per cache row; got {jnp.shape(tokens)} / "
                        f"{jnp.shape(positions)}")
     tokens = jnp.asarray(tokens, jnp.int32)
-    logits, cache = run(state.weights, state.cache, tokens[:, None] if single else tokens,
-                        jnp.asarray(positions, jnp.int32))
-    return (logits[:, 0] if single else logits), DecodeState(weights=state.weights, cache=cache)
+    logits, cache = run(state.weights, state.blocks, state.cache,
+                        tokens[:, None] if single else tokens, jnp.asarray(positions, jnp.int32))
+    return (logits[:, 0] if single else logits), state.replace(cache=cache)
 
   return jax.jit(step_fn)
 
