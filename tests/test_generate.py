@@ -324,6 +324,7 @@ def test_cli_mistakes_are_one_line_naming_the_flag_before_anything_runs(tiny, ca
              params=jaxdecode.SamplingParams(min_new_tokens=[5]))
 
 
+@pytest.mark.slow
 def test_generate_and_the_cli_show_only_the_beams_that_exist(tiny, capsys):
   # top_k=1 leaves each prompt one possible continuation: 3 beams asked, 1 exists; the empty
   # slots (score -inf, length 0) are neither texts nor printed beams (issue 33: the CLI used
