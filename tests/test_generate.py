@@ -282,11 +282,11 @@ def test_cli_beams_prints_the_best_beams_with_their_scores(tiny, capsys):
 @pytest.mark.slow
 def test_decoding_past_the_models_cache_stops_the_row_or_is_refused_up_front(tiny):
   # Issue 33: past the prefilled cache the model's logits are NaN, and decode used to emit NUL
-  # tokens with NaN log-probabilities, counted in `lengths`. With the model's own step function
-  # the row now stops where the cache ends (`dead_end`); generate's step function declares its
-  # cache (`position_limit`), so the request is refused before it runs.
+  # tokens with NaN log-probabilities, counted in `lengths`. The model's step function declares
+  # its cache (`position_limit`), so the request is refused before it runs; a step function that
+  # declares nothing (here the same one, wrapped) gets its row stopped where the cache ends
+  # (`dead_end`).
   from jaxdecode.models import make_step_fn, prefill
-  from jaxdecode.models.generate import step_fn_for
   model, _ = tiny
   graphdef, weights = nnx.split(model)
   tokens, lengths = jaxdecode.right_pad([TOK.encode("Hi"), TOK.encode("Hello")], pad_id=TOK.PAD,
@@ -296,7 +296,8 @@ def test_decoding_past_the_models_cache_stops_the_row_or_is_refused_up_front(tin
   n = slots - 1  # prompts of 3 and 6 tokens: the positions run out for both rows
   kw = dict(key=jax.random.key(0), params=jaxdecode.SamplingParams(temperature=0.0),
             max_new_tokens=n, positions=lengths, eos_ids=[TOK.EOS], pad_id=TOK.PAD)
-  out = jaxdecode.decode(make_step_fn(graphdef), state, logits, **kw)
+  step_fn = make_step_fn(graphdef)
+  out = jaxdecode.decode(lambda s, t, p: step_fn(s, t, p), state, logits, **kw)
   stopped = slots - np.asarray(lengths) + 1  # the token at position `slots` has no logits
   ran = ~np.asarray(out.finished)
   assert ran.any() and (out.dead_end == ran).all()
@@ -304,7 +305,7 @@ def test_decoding_past_the_models_cache_stops_the_row_or_is_refused_up_front(tin
   with pytest.raises(ValueError, match=rf"decode: max_new_tokens={n} does not fit the model "
                                        rf"state: row 1 starts at position 6, so it needs "
                                        rf"{6 + n - 1} positions, but the state holds {slots}"):
-    jaxdecode.decode(step_fn_for(graphdef), state, logits, **kw)
+    jaxdecode.decode(step_fn, state, logits, **kw)
 
 
 def test_cli_mistakes_are_one_line_naming_the_flag_before_anything_runs(tiny, capsys):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Sequence
 
@@ -105,22 +104,12 @@ def batch_prefill(model: Transformer, *, extra: int, pad_id: int = ByteTokenizer
 
 
 def step_fn_for(graphdef):
-  """The jitted step function of a model structure, built once (so decode compiles once). It
-  declares `position_limit(state)`: the positions its cache holds, at most the model's
-  `max_len` (past them the model's logits are NaN), so that `decode`, `beam_search`,
+  """The jitted step function of a model structure, built once (so decode compiles once). Like
+  every `make_step_fn`, it declares `position_limit(state)`, so that `decode`, `beam_search`,
   `speculative_decode` and `stream` refuse a request that does not fit before running it."""
   if graphdef not in _STEP_FNS:
-    step_fn = make_step_fn(graphdef)
-    step_fn.position_limit = functools.partial(position_limit, graphdef)
-    _STEP_FNS[graphdef] = step_fn
+    _STEP_FNS[graphdef] = make_step_fn(graphdef)
   return _STEP_FNS[graphdef]
-
-
-def position_limit(graphdef, state) -> int:
-  """The positions a `DecodeState` of the model `graphdef` holds: its cache's slots, at most the
-  model's `max_len` (RoPE's trained range)."""
-  slots = jax.tree.leaves(state.cache.k)[0].shape[1]  # each layer's cache is [B, S, H, Dh]
-  return min(slots, nnx.merge(graphdef, state.weights).config.max_len)
 
 
 def generate(prompts: Sequence[str], *, model: Transformer | None = None,

@@ -379,7 +379,8 @@ def make_step_fn(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None = Non
     axis: the mesh axis the batch is split over.
 
   Returns:
-    `step_fn(state, tokens, positions) -> (logits, state)`, pure: tokens int32[B] give logits
+    `step_fn(state, tokens, positions) -> (logits, state)`, pure, declaring
+    `step_fn.position_limit(state)` (the positions the cache holds): tokens int32[B] give logits
     float32[B, V]; tokens int32[B, K] give logits float32[B, K, V], bitwise those of K
     single steps. `tokens[b, t]` has position `positions[b] + t`; slots past the cache are not
     written and their logits are NaN.
@@ -406,7 +407,18 @@ def make_step_fn(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None = Non
                         tokens[:, None] if single else tokens, jnp.asarray(positions, jnp.int32))
     return (logits[:, 0] if single else logits), state.replace(cache=cache)
 
-  return jax.jit(step_fn)
+  jitted = jax.jit(step_fn)
+  # `decode`, `beam_search`, `speculative_decode` and `stream` refuse a request that does not
+  # fit the cache before running it (past it the logits are NaN).
+  jitted.position_limit = functools.partial(position_limit, graphdef)
+  return jitted
+
+
+def position_limit(graphdef: nnx.GraphDef, state: DecodeState) -> int:
+  """The positions a `DecodeState` of the model `graphdef` holds: its cache's slots, at most the
+  model's `max_len` (RoPE's trained range)."""
+  slots = jax.tree.leaves(state.cache.k)[0].shape[1]  # each layer's cache is [B, S, H, Dh]
+  return min(slots, nnx.merge(graphdef, state.weights).config.max_len)
 
 
 def forward(graphdef: nnx.GraphDef, weights: nnx.State, tokens: jax.Array,
