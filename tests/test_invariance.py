@@ -215,6 +215,49 @@ def test_eight_devices_give_the_bits_of_one(tmp_path):
   assert "8 devices equal" in result.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["AVX2", "SSE4_2"])
+def test_the_bits_stay_batch_invariant_when_xla_may_use_only_an_older_instruction_set(isa):
+  """Another CPU, as far as XLA's own code goes: `--xla_cpu_max_isa` limits the instructions XLA
+  generates, which is where the invariant numerics run. AVX2 is the developers' CPUs' set;
+  SSE4_2 has no FMA, so every product is rounded on its own and the bits change, yet a row
+  alone and in batches of 3 and 8, and 5 tokens in one call against 5 calls, stay equal."""
+  script = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, %r)
+    import jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from jaxdecode.models import Transformer, make_step_fn, prefill
+    from jaxdecode.prompts import right_pad
+    import test_invariance as t
+    graphdef, weights = nnx.split(Transformer(t.SMALL, rngs=nnx.Rngs(3)))
+    step_fn = make_step_fn(graphdef)
+    pool = t.corpus_prompts(8, seed=9)
+    feed = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 5)), jnp.int32)
+
+    def steps(rows, width):
+      tokens, lengths = right_pad([pool[r] for r in rows], pad_id=258, width=width)
+      logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=64)
+      out, s = [logits], state
+      for i in range(5):
+        logits, s = step_fn(s, feed[np.array(rows), i], lengths + i)
+        out.append(logits)
+      many, _ = step_fn(state, feed[np.array(rows)], lengths)
+      np.testing.assert_array_equal(many, jnp.stack(out[1:], axis=1))  # K = 5 vs 5 calls
+      return np.stack(out, axis=1)
+
+    alone = steps([2], None)[0]
+    for rows in ([0, 1, 2], [7, 6, 5, 4, 3, 2, 1, 0]):
+      np.testing.assert_array_equal(steps(rows, 48)[rows.index(2)], alone)
+    print("invariant under", %r)
+  """) % (os.path.dirname(__file__), isa)
+  env = dict(os.environ, XLA_FLAGS=f"--xla_cpu_max_isa={isa}", JAX_COMPILATION_CACHE_DIR="")
+  result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"invariant under {isa}" in result.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # The audit.
 
