@@ -117,6 +117,7 @@ def test_the_plain_numerics_differ_in_some_mix_so_the_needle_test_can_fail():
   assert differs > 0
 
 
+@pytest.mark.slow  # the fast loop keeps test_models' K = 4 and 2 against single steps
 def test_k_token_calls_equal_single_steps_bit_for_bit_for_k_up_to_32(small):
   """Speculative verification's call: K tokens per row at once, K = 2 .. 32, against one token
   per call, for rows at different positions."""
