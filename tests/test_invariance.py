@@ -200,6 +200,7 @@ def test_eight_devices_give_the_bits_of_one(tmp_path):
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rows, shared = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     sharded_state = state.replace(weights=jax.device_put(state.weights, shared),
+                                  blocks=jax.device_put(state.blocks, shared),
                                   cache=jax.device_put(state.cache, rows))
     out = jaxdecode.decode(make_step_fn(graphdef, mesh=mesh), sharded_state,
                            jax.device_put(logits, rows), key=jax.device_put(keys, rows),

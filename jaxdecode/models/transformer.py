@@ -374,8 +374,8 @@ def make_step_fn(graphdef: nnx.GraphDef, *, mesh: jax.sharding.Mesh | None = Non
   Args:
     graphdef: the model structure (`nnx.split(model)[0]`).
     mesh: for a batch split over devices, the `jax.sharding.Mesh`; the step then runs under
-      `jax.shard_map`, so every device runs the single-device program on its own rows (plain
-      GSPMD partitioning would choose kernels from the global batch and change the bits).
+      `jax.shard_map`, so every device runs the single-device program on its own rows. Put the
+      state's cache on the mesh split by rows and its weights and `blocks` replicated.
     axis: the mesh axis the batch is split over.
 
   Returns:
