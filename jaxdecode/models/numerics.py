@@ -80,7 +80,7 @@ def chain_matmul(x: jax.Array, blocks: jax.Array, width: int) -> jax.Array:
   elementwise op on [F/V, N, V] arrays (V = 32 output columns per tile), which XLA computes
   one output element at a time in the expression's order on any backend: no kernel chooses an
   order, so output (n, f) depends on row n of x and on w alone, for every N. The lanes give the
-  CPU independent chains to overlap; the block loop is a `lax.scan` with a constant trip count.
+  CPU independent chains to overlap; the block loop is a `fori_loop` with a constant trip count.
 
   Padding adds terms 0 * 0 (D up to a multiple of T) and columns that are cut off again; both
   depend on the weight's shape alone.
@@ -95,19 +95,23 @@ def chain_matmul(x: jax.Array, blocks: jax.Array, width: int) -> jax.Array:
   xb = jnp.pad(x, ((0, 0), (0, n_blocks * TERMS - depth))).reshape(rows, n_blocks, TERMS)
   xb = jnp.transpose(xb, (1, 0, 2))  # [nb, N, T]
 
-  def block(total, operands):
-    xk, wk = operands  # [N, T], [nt, T, V]
+  def block(b, total):
+    # Each term slices its row of x and of the weight tile straight from the whole arrays:
+    # one use per slice, so XLA fuses every slice into the one loop that computes the block
+    # (slicing the block first made XLA copy it, which tripled a one-row product's time).
     lanes = [None] * LANES
     for t in range(TERMS):
-      term = xk[None, :, t, None] * wk[:, None, t, :]  # [nt, N, V]
+      xt = lax.dynamic_slice(xb, (b, 0, t), (1, rows, 1))[0, :, 0]  # [N]
+      wt = lax.dynamic_slice(blocks, (b, 0, t, 0), (1, n_tiles, 1, TILE))[0, :, 0]  # [nt, V]
+      term = xt[None, :, None] * wt[:, None, :]  # [nt, N, V]
       lane = t % LANES
       lanes[lane] = term if lanes[lane] is None else lanes[lane] + term
     while len(lanes) > 1:  # a pairwise tree: (l0 + l1) + (l2 + l3) for 4 lanes
       lanes = [lanes[i] + lanes[i + 1] for i in range(0, len(lanes), 2)]
-    return total + lanes[0], None
+    return total + lanes[0]
 
   dtype = jnp.result_type(x, blocks)
-  total, _ = lax.scan(block, jnp.zeros((n_tiles, rows, TILE), dtype), (xb, blocks))
+  total = lax.fori_loop(0, n_blocks, block, jnp.zeros((n_tiles, rows, TILE), dtype))
   return jnp.transpose(total, (1, 0, 2)).reshape(rows, n_tiles * TILE)[:, :width]
 
 
