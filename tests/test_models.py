@@ -282,6 +282,10 @@ def test_step_fn_traces_once_for_new_tokens_positions_and_weights(split, step_fn
   logits, _ = jitted(new_state, continuation[:, 0], lengths)
   assert len(traces) == 1
   np.testing.assert_array_equal(logits, full_forward(graphdef, new_weights, batch)[:, 1])
+  # Without the blocks prefill made (as after `state.replace(weights=..., blocks=None)`), each
+  # step makes them from the weights: the same bits.
+  swapped = new_state.replace(blocks=None)
+  np.testing.assert_array_equal(step_fn(swapped, continuation[:, 0], lengths)[0], logits)
 
 
 def test_step_fn_rejects_mismatched_shapes(split, step_fn, batch):

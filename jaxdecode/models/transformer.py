@@ -130,7 +130,9 @@ class DecodeState:
     cache: the `KVCache`.
     blocks: with batch-invariant numerics, `Transformer.chain_blocks()`: the weights of every
       product in the layout the invariant products read, made once by `prefill` rather than
-      at every step (None: each step makes them; the bits are the same either way).
+      at every step (None: each step makes them; the bits are the same either way). They are
+      derived from `weights`: a state given other weights needs `blocks=None` too
+      (`state.replace(weights=new, blocks=None)`), or the steps keep the old products.
   """
   weights: nnx.State
   cache: KVCache
