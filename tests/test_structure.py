@@ -4,8 +4,9 @@ batch-invariant passes leave no float sum to the backend.
 `jaxdecode.invariance.unordered_sums` walks a program's StableHLO and lists every float dot,
 add-reduce, add-reduce_window, convolution and scatter-add over more than one term: the ops whose
 order (and so whose bits) a backend chooses per shape. The invariant model's step (1 and K
-tokens), its prefill and the sampling chain must hold none on any platform; the plain model is
-the negative control, and small programs with hand-known answers test the walker itself.
+tokens), its prefill (16 tokens: a multi-token program in the fast loop) and the sampling chain
+must hold none on any platform; the plain model is the negative control, and small programs
+with hand-known answers test the walker itself.
 """
 
 import dataclasses
@@ -42,7 +43,8 @@ def invariant():
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("width", [1, 5, 32])
+@pytest.mark.parametrize("width", [1, pytest.param(5, marks=pytest.mark.slow),
+                                   pytest.param(32, marks=pytest.mark.slow)])
 def test_the_invariant_step_leaves_no_sum_to_the_backend(invariant, platform, width):
   _, _, step_fn, state = invariant
   tokens = jnp.zeros((3,) if width == 1 else (3, width), jnp.int32)
@@ -77,7 +79,8 @@ def test_the_sampling_chain_leaves_no_sum_to_the_backend(platform):
                         platform=platform) == []
 
 
-@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.slow),
+                                      pytest.param("tpu", marks=pytest.mark.slow)])
 def test_negative_control_the_plain_step_leaves_its_products_and_sums_to_the_backend(platform):
   _, _, step_fn, state = _step_and_state(False)
   found = unordered_sums(step_fn, state, jnp.zeros((3,), jnp.int32), jnp.array([8, 5, 2]),
