@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxdecode import _checks
+from jaxdecode import _platform
 from jaxdecode import decoding
 from jaxdecode import loop
 from jaxdecode import processors
@@ -365,27 +366,30 @@ def _beam_search(step_fn, state, logits, params, positions, eos_ids, pad_id, cou
   step = dict(axes=axes, candidates=candidate_count(k, eos_ids.shape[0], vocab),
               length_penalty=length_penalty, early_stopping=early_stopping, max_new_tokens=n)
 
-  def advance(carry, t):
+  def advance(carry, t, call=None):
     """Step t: for t >= 1 feed each beam's token t - 1 (its logits replace the carried ones;
-    step 0 searches the carried prefill logits), then search step t. One loop body for every
-    step, so the program holds the processor chain once. Reordering the state at step 0
-    changes nothing (a row's K beams hold the same prefill state)."""
+    step 0 searches the carried prefill logits), then search step t. On CPU and TPU one loop
+    body serves every step, so the program holds the processor chain once (`call`: see
+    `loop.run_from_prefill`). Reordering the state at step 0 changes nothing (a row's K beams
+    hold the same prefill state)."""
     s, logits = carry
 
     def call_model(model_state):
       out, model_state = step_fn(model_state, s.beams.last, spec.positions + t - 1)
       return out.astype(jnp.float32), model_state
 
-    logits, model_state = lax.cond(t > 0, call_model, lambda m: (logits, m),
-                                   s.beams.model_state)
+    logits, model_state = loop.call_or_skip(call, t > 0, call_model, lambda m: (logits, m),
+                                            s.beams.model_state)
     s = s.replace(beams=s.beams.replace(model_state=model_state))
     return beam_step(spec, s, logits, t, **step), logits
 
   s = init_state(spec, model_state, counts[beam_row], batch=batch, beam_size=k,
                  max_new_tokens=n)
   # float32 is exact for every float dtype the chain takes: it begins by casting to float32.
-  s, _ = loop.run_chunks(advance, (s, logits[beam_row].astype(jnp.float32)), first=0,
-                         rounds=n, chunk=chunk_size, done=lambda c: jnp.all(c[0].done))
+  s, _ = _platform.by_platform(
+      lambda carry: loop.run_from_prefill(advance, carry, rounds=n, chunk=chunk_size,
+                                          done=lambda c: jnp.all(c[0].done)),
+      (s, logits[beam_row].astype(jnp.float32)))
   r = num_return
   return BeamOutput(tokens=s.final_tokens[:, :r], scores=s.final_scores[:, :r],
                     lengths=s.final_lengths[:, :r], finished=s.final_eos[:, :r],

@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from jaxdecode import _checks
+from jaxdecode import _platform
 from jaxdecode import loop
 from jaxdecode import processors
 from jaxdecode import sampling
@@ -202,23 +203,23 @@ def make_advance(step_fn, spec: loop.LoopSpec, *, top_logprobs: int = 0,
                  logprobs_mode: str = "processed"):
   """`advance((s, top, logits), t) -> (s, top, logits)`: step t of `decode` (shared by `decode`
   and `jaxdecode.models.stream`). For t >= 1 token t - 1 is fed to `step_fn` and its logits
-  replace the carried ones; step 0 draws from the carried prefill logits. No model call either
-  once every row has finished (the rest of a chunk then costs no model time). Then token t is
-  drawn and recorded.
+  replace the carried ones; step 0 draws from the carried prefill logits. On CPU and TPU no
+  model call either once every row has finished (the rest of a chunk then costs no model time).
+  Then token t is drawn and recorded. `call`: see `loop.run_from_prefill`.
 
-  One loop body for every step, step 0 included, so the program holds the processor chain
-  once: compiling it is most of a decode program's compile time.
+  On CPU and TPU one loop body serves every step, step 0 included, so the program holds the
+  processor chain once: compiling it is most of a decode program's compile time.
   """
 
-  def advance(carry, t):
+  def advance(carry, t, call=None):
     s, top, logits = carry
 
     def call_model(model_state):
       new_logits, model_state = step_fn(model_state, s.last, spec.positions + t - 1)
       return new_logits.astype(jnp.float32), model_state
 
-    logits, model_state = lax.cond((t > 0) & jnp.any(s.live), call_model,
-                                   lambda m: (logits, m), s.model_state)
+    logits, model_state = loop.call_or_skip(call, (t > 0) & jnp.any(s.live), call_model,
+                                            lambda m: (logits, m), s.model_state)
     s = s.replace(model_state=model_state)
     s, top = draw_and_record(spec, s, top, logits, jnp.full(s.last.shape, t, jnp.int32),
                              top_logprobs=top_logprobs, logprobs_mode=logprobs_mode)
@@ -247,8 +248,10 @@ def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, cou
   loop.check_processors(spec, batch, vocab, max_new_tokens)
   carry = start(spec, state, logits, counts, max_new_tokens, top_logprobs=top_logprobs)
   advance = make_advance(step_fn, spec, top_logprobs=top_logprobs, logprobs_mode=logprobs_mode)
-  carry = loop.run_chunks(advance, carry, first=0, rounds=max_new_tokens, chunk=chunk_size,
-                          done=lambda c: loop.all_done(c[0]))
+  carry = _platform.by_platform(
+      lambda carry: loop.run_from_prefill(advance, carry, rounds=max_new_tokens,
+                                          chunk=chunk_size, done=lambda c: loop.all_done(c[0])),
+      carry)
   return output(carry)
 
 

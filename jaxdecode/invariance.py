@@ -263,5 +263,92 @@ def unordered_sums(fn: Callable, *args, platform: str = "cpu") -> list[str]:
 def _location(location) -> str:
   """The innermost `file:line` of an MLIR location (the Python line that made the op)."""
   text = str(location)
-  match = re.findall(r'"([^"]+\.py)":(\d+)', text)
-  return f"{match[0][0].rsplit('/', 1)[-1]}:{match[0][1]}" if match else text[:80]
+  match = [(f.rsplit("/", 1)[-1], line) for f, line in re.findall(r'"([^"]+\.py)":(\d+)', text)]
+  match = [m for m in match if m[0] != "_platform.py"] or match  # the caller, not the switch
+  return f"{match[0][0]}:{match[0][1]}" if match else text[:80]
+
+
+# ---------------------------------------------------------------------------------------------
+# The control-flow check: where would a GPU step wait on the host?
+
+
+def _defining_op(value):
+  """The op that produced an MLIR value, or None for a block argument."""
+  from jax.extend.mlir import ir  # pylint: disable=import-outside-toplevel
+  owner = value.owner
+  return owner.operation if isinstance(owner, ir.Operation) or hasattr(owner, "operation") \
+      and not isinstance(owner, ir.Block) else None
+
+
+def _is_constant(value) -> bool:
+  op = _defining_op(value)
+  return op is not None and op.name == "stablehlo.constant"
+
+
+def _constant_trip_count(op) -> bool:
+  """True when a `stablehlo.while` counts a carried integer from a constant up to a constant.
+
+  The pattern `lax.fori_loop` with static bounds and `lax.scan` lower to: the condition region
+  compares a block argument with a constant (and nothing else decides), the body returns that
+  argument plus a constant, and the loop's initial value for it is a constant. XLA derives the
+  trip count of such a loop at compile time, so on a GPU it runs without reading its predicate
+  back to the host.
+  """
+  cond, body = op.regions[0].blocks[0], op.regions[1].blocks[0]
+  inner = [o.operation for o in cond.operations]
+  compares = [o for o in inner if o.name == "stablehlo.compare"]
+  if len(compares) != 1 or any(o.name not in ("stablehlo.constant", "stablehlo.compare",
+                                              "stablehlo.return") for o in inner):
+    return False
+  counter = None
+  for operand, other in ((compares[0].operands[0], compares[0].operands[1]),
+                         (compares[0].operands[1], compares[0].operands[0])):
+    if _defining_op(operand) is None and _is_constant(other):
+      counter = operand
+  if counter is None:
+    return False
+  index = next(i for i, arg in enumerate(cond.arguments) if arg == counter)
+  if not _is_constant(op.operands[index]):
+    return False
+  returned = [o.operation for o in body.operations][-1]
+  step = _defining_op(returned.operands[index])
+  return (step is not None and step.name == "stablehlo.add" and
+          any(a == body.arguments[index] for a in step.operands) and
+          any(_is_constant(a) for a in step.operands))
+
+
+def host_round_trips(fn: Callable, *args, platform: str = "cuda") -> list[str]:
+  """The control flow of `jax.jit(fn)(*args)` whose decision is data: where a GPU would wait.
+
+  The program is lowered for `platform` (no such device is needed) and its StableHLO walked,
+  loops, branches and called functions included. Listed:
+
+  - every `stablehlo.case` (a `lax.cond` or `lax.switch`) with more than one branch whose index
+    is not a constant. XLA:GPU copies such a predicate to the host and waits for it before it
+    launches a branch. A case with one branch, or a constant index (what
+    `lax.platform_dependent` leaves after lowering for one platform), is resolved at compile
+    time.
+  - every `stablehlo.while` whose trip count is not a constant (`lax.while_loop` on data): XLA:GPU
+    reads its predicate back after every iteration. `lax.fori_loop` with static bounds and
+    `lax.scan` have constant trip counts.
+
+  Args:
+    fn: the function; traced and lowered, never compiled or run.
+    *args: its arguments (arrays or `jax.ShapeDtypeStruct`s).
+    platform: "cpu", "cuda", "rocm" or "tpu".
+
+  Returns:
+    One line per such op: "case" or "while", and its source line. Empty: no step waits.
+  """
+  if platform not in ("cpu", "cuda", "rocm", "tpu"):
+    raise ValueError(f"platform must be 'cpu', 'cuda', 'rocm' or 'tpu'; got {platform!r}")
+  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
+  module = lowered.compiler_ir("stablehlo")
+  found = []
+  for op in _operations(module.operation):
+    if op.name == "stablehlo.case":
+      if len(op.regions) > 1 and not _is_constant(op.operands[0]):
+        found.append(f"case ({len(op.regions)} branches) at {_location(op.location)}")
+    elif op.name == "stablehlo.while" and not _constant_trip_count(op):
+      found.append(f"while (data-dependent trip count) at {_location(op.location)}")
+  return found

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxdecode import _platform
 from jaxdecode import processors
 from jaxdecode import sampling
 from jaxdecode.params import SamplingParams
@@ -147,9 +148,9 @@ def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array
     for processor in spec.logits_processors:
       logits = processor(logits, context)
   blocked = step < spec.params.min_new_tokens  # [B]: EOS not allowed yet
-  logits = lax.cond(jnp.any(blocked) & jnp.any(spec.is_eos),
-                    lambda x: jnp.where(blocked[:, None] & spec.is_eos[None, :], -jnp.inf, x),
-                    lambda x: x, logits)
+  logits = _platform.skip_unless(
+      jnp.any(blocked) & jnp.any(spec.is_eos),
+      lambda x: jnp.where(blocked[:, None] & spec.is_eos[None, :], -jnp.inf, x), logits)
   return processors.process_f32(logits, spec.params, state.counts)
 
 
@@ -208,7 +209,8 @@ def run_chunks(advance: Callable[[Any, jax.Array], Any], state: Any, *, first: i
   The rounds run in `lax.scan` chunks of `chunk` inside a `lax.while_loop` over chunks, so the
   per-round loop overhead (and, on accelerators, the device-to-host check) is paid per chunk;
   the loop stops after the first chunk that leaves `done(state)` true. A last partial chunk runs
-  under a `lax.cond`. `first`, `rounds` and `chunk` are static.
+  under a `lax.cond` (always, on a GPU: `jaxdecode._platform`). `first`, `rounds` and `chunk`
+  are static.
 
   `state` is a `LoopState` and `done` is `all_done` (no row is live) for `decode`; a loop with a
   state of its own (beam search carries its finished hypotheses beside the beams' `LoopState`)
@@ -233,10 +235,45 @@ def run_chunks(advance: Callable[[Any, jax.Array], Any], state: Any, *, first: i
     return (c < full_chunks) & ~done(state)
 
   _, state = lax.while_loop(chunk_cond, chunk_body, (jnp.int32(0), state))
-  if tail:
-    state = lax.cond(done(state), lambda s: s,
-                     lambda s: scan(s, first + rounds - tail, tail), state)
+  if tail:  # on a GPU (STRAIGHT) the tail runs anyway: its rounds record nothing once done
+    state = _platform.skip_unless(~done(state), lambda s: scan(s, first + rounds - tail, tail),
+                                  state)
   return state
+
+
+def run_from_prefill(advance: Callable[[Any, jax.Array, bool | None], Any], state: Any, *,
+                     rounds: int, chunk: int, done: Callable[[Any], jax.Array] = all_done) -> Any:
+  """`run_chunks` for a loop whose round 0 draws from the prefill's logits, without a model call.
+
+  `advance(state, t, call)` is round t. With `call=None` it calls the model when t > 0 (and,
+  if it likes, when some row is live), through `_platform.when`: a `lax.cond` on CPU and TPU,
+  so that one loop body serves every round and the program holds the processor chain once. On
+  a GPU (STRAIGHT) round 0 is run first by itself with `call=False`, and rounds 1.. with
+  `call=None` call the model always: no branch on data inside a round, and the program holds
+  the chain twice. The tokens are the same.
+  """
+  if _platform.mode() == _platform.STRAIGHT:
+    state = advance(state, jnp.int32(0), False)
+    return run_chunks(lambda s, t: advance(s, t, None), state, first=1, rounds=rounds - 1,
+                      chunk=chunk, done=done)
+  return run_chunks(lambda s, t: advance(s, t, None), state, first=0, rounds=rounds, chunk=chunk,
+                    done=done)
+
+
+def call_or_skip(call: bool | None, pred: jax.Array, call_model: Callable, skip: Callable,
+                 operand):
+  """A round's model call: `call_model(operand)` or `skip(operand)` (see `run_from_prefill`).
+
+  `call` True/False decides statically; None decides by `pred` on CPU and TPU (`lax.cond`) and
+  calls always on a GPU, where `run_from_prefill` has already run round 0 without a call. When
+  `pred` is false, calling must change nothing that the caller keeps but the model's state (a
+  finished row is fed `pad_id`; its tokens are not recorded).
+  """
+  if call is False:
+    return skip(operand)
+  if call is True:
+    return call_model(operand)
+  return _platform.when(pred, lambda: call_model(operand), lambda: skip(operand))
 
 
 def as_processors(logits_processors: Sequence[Callable] | None) -> tuple:

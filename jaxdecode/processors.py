@@ -29,7 +29,9 @@ entropy in nats):
 - eta keeps token i iff p_i >= min(eta, sqrt(eta) * exp(-H)) or p_i = max_j p_j.
 
 How the top-k, top-p and typical-p sets are found exactly without a sort is
-`jaxdecode.threshold`'s subject. A step that no row uses is skipped (a `lax.cond` on the batch).
+`jaxdecode.threshold`'s subject. On CPU and TPU a step that no row uses is skipped (a
+`lax.cond` on the batch); on GPU every step runs and changes only the rows that use it, with the
+same bits (`jaxdecode._platform`: a GPU waits on the host for each branch).
 
 Numerics: all math runs in float32 whatever the input dtype, and every sum over the vocabulary
 is `jaxdecode._reduce.row_sum`, whose order of additions depends on V alone, so a row's result
@@ -56,6 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxdecode import _checks
+from jaxdecode import _platform
 from jaxdecode import _reduce
 from jaxdecode import threshold
 from jaxdecode.params import SamplingParams, as_field, check_eos_not_forced
@@ -149,7 +152,7 @@ def apply_pos_inf_rule(x: jax.Array) -> jax.Array:
     uniform = jnp.where(x == jnp.inf, jnp.float32(0), jnp.float32(_NEG_INF))
     return jnp.where(has_pos_inf, uniform, x)
 
-  return lax.cond(jnp.any(x == jnp.inf), uniform_over_pos_inf, lambda x: x, x)
+  return _platform.skip_unless(jnp.any(x == jnp.inf), uniform_over_pos_inf, x)
 
 
 def prepare(logits: jax.Array) -> jax.Array:
@@ -205,8 +208,8 @@ def apply_token_sets(x: jax.Array, banned: jax.Array, allowed: jax.Array) -> jax
     restricted = jnp.any(allowed < vocab, axis=-1, keepdims=True)  # [B, 1]
     return jnp.where(keep | ~restricted, x, _NEG_INF)
 
-  x = lax.cond(jnp.any(banned < vocab), ban, lambda x: x, x)
-  return lax.cond(jnp.any(allowed < vocab), allow, lambda x: x, x)
+  x = _platform.skip_unless(jnp.any(banned < vocab), ban, x)
+  return _platform.skip_unless(jnp.any(allowed < vocab), allow, x)
 
 
 def apply_logit_bias(x: jax.Array, ids: jax.Array, biases: jax.Array) -> jax.Array:
@@ -223,9 +226,11 @@ def apply_logit_bias(x: jax.Array, ids: jax.Array, biases: jax.Array) -> jax.Arr
     same = ids[:, :, None] == ids[:, None, :]  # [B, K, K]
     totals = _reduce.tree_sum(jnp.where(same, biases[:, None, :], 0.0), axis=-1)  # [B, K]
     bias = jnp.zeros(x.shape, jnp.float32).at[rows, ids].set(totals, mode="drop")
-    return _saturate(x, x + bias)
+    # Only biased entries change: x + 0 would turn a -0.0 logit into +0.0, so a row's bits
+    # would depend on whether another row of the batch has a bias.
+    return jnp.where(bias != 0, _saturate(x, x + bias), x)
 
-  return lax.cond(jnp.any((ids < x.shape[-1]) & (biases != 0)), add, lambda x: x, x)
+  return _platform.skip_unless(jnp.any((ids < x.shape[-1]) & (biases != 0)), add, x)
 
 
 def apply_penalties(x: jax.Array, counts: jax.Array, repetition: jax.Array,
@@ -243,9 +248,9 @@ def apply_penalties(x: jax.Array, counts: jax.Array, repetition: jax.Array,
     r = repetition[:, None]
     y = jnp.where(seen, jnp.where(x < 0, x * r, x / r), x)
     y = y - jnp.where(seen, frequency[:, None] * c.astype(jnp.float32) + presence[:, None], 0.0)
-    return _saturate(x, y)
+    return jnp.where(active[:, None], _saturate(x, y), x)
 
-  return lax.cond(jnp.any(active), penalize, lambda x: x, x)
+  return _platform.skip_unless(jnp.any(active), penalize, x)
 
 
 def apply_temperature(x: jax.Array, t: jax.Array) -> jax.Array:
@@ -262,7 +267,7 @@ def apply_temperature(x: jax.Array, t: jax.Array) -> jax.Array:
     shifted = jnp.where(x == _NEG_INF, _NEG_INF, (x - m) / t_safe)
     return jnp.where(overflow, shifted, scaled)
 
-  scaled = lax.cond(jnp.any(t < 1), fix_overflow, lambda s: s, scaled)
+  scaled = _platform.skip_unless(jnp.any(t < 1), fix_overflow, scaled)
 
   def point_mass(scaled):
     iota = lax.broadcasted_iota(jnp.int32, x.shape, 1)
@@ -270,7 +275,7 @@ def apply_temperature(x: jax.Array, t: jax.Array) -> jax.Array:
     return jnp.where(greedy_rows, one_hot, scaled)
 
   # The conditions skip whole passes over [B, V] when no row needs them (traced, no retrace).
-  return lax.cond(jnp.any(greedy_rows), point_mass, lambda s: s, scaled)
+  return _platform.skip_unless(jnp.any(greedy_rows), point_mass, scaled)
 
 
 def apply_top_k_top_p(x: jax.Array, k: jax.Array, p: jax.Array) -> jax.Array:
@@ -285,7 +290,7 @@ def apply_top_k_top_p(x: jax.Array, k: jax.Array, p: jax.Array) -> jax.Array:
     tau = threshold.top_k_top_p_threshold(x, k, p)
     return jnp.where(active[:, None] & (x < tau[:, None]), _NEG_INF, x)
 
-  return lax.cond(jnp.any(active), cut, lambda x: x, x)
+  return _platform.skip_unless(jnp.any(active), cut, x)
 
 
 def apply_min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -294,7 +299,7 @@ def apply_min_p(x: jax.Array, min_p: jax.Array) -> jax.Array:
     e, _ = threshold.unnormalized_probs(x)
     return jnp.where(e >= min_p[:, None], x, _NEG_INF)
 
-  return lax.cond(jnp.any(min_p > 0), cut, lambda x: x, x)
+  return _platform.skip_unless(jnp.any(min_p > 0), cut, x)
 
 
 def apply_typical_p(x: jax.Array, typical_p: jax.Array) -> jax.Array:
@@ -306,7 +311,7 @@ def apply_typical_p(x: jax.Array, typical_p: jax.Array) -> jax.Array:
     keep = threshold.typical_keep(p, log_p, entropy, typical_p)
     return jnp.where(keep | ~active[:, None], x, _NEG_INF)
 
-  return lax.cond(jnp.any(active), cut, lambda x: x, x)
+  return _platform.skip_unless(jnp.any(active), cut, x)
 
 
 def _cut_below(x: jax.Array, active: jax.Array, cutoff) -> jax.Array:
@@ -316,7 +321,7 @@ def _cut_below(x: jax.Array, active: jax.Array, cutoff) -> jax.Array:
     keep = (p >= cutoff(entropy)) | (x == jnp.max(x, axis=-1, keepdims=True))
     return jnp.where(keep | ~active[:, None], x, _NEG_INF)
 
-  return lax.cond(jnp.any(active), cut, lambda x: x, x)
+  return _platform.skip_unless(jnp.any(active), cut, x)
 
 
 def apply_epsilon_cutoff(x: jax.Array, epsilon: jax.Array) -> jax.Array:
@@ -343,6 +348,10 @@ def process_f32(logits: jax.Array, params: SamplingParams,
     counts: int32[B, V] token counts for the penalties, or None (no token seen yet: the
       penalties change nothing).
   """
+  return _platform.by_platform(_process_f32, logits, params, counts)
+
+
+def _process_f32(logits, params, counts):
   x = remove_nan(logits)
   x = apply_token_sets(x, params.banned_token_ids, params.allowed_token_ids)
   x = apply_pos_inf_rule(x)

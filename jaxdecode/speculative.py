@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxdecode import _checks
+from jaxdecode import _platform
 from jaxdecode import loop
 from jaxdecode import processors
 from jaxdecode.decoding import DecodeOutput, check_fits, check_step_output, make_spec
@@ -192,15 +193,6 @@ def _speculative(step_fn, state, logits, key, params, positions, eos_ids, pad_id
                                    positions), state, (batch, k + 1, vocab))
   loop.check_processors(spec, batch, vocab, max_new_tokens)
 
-  def verify(carry, j):
-    s, in_run, accepted, logits, drafts = carry
-    token, logprob = loop.draw(spec, s, logits[:, j], s.lengths)
-    recorded = in_run & s.live & ~jnp.isnan(logprob)  # NaN: nothing selectable, a dead end
-    s = loop.record(spec, s, token, logprob, in_run)
-    draft = drafts[:, jnp.minimum(j, k - 1)]
-    match = (j < k) & (token == draft)
-    return (s, in_run & match, accepted + (recorded & match), logits, drafts), None
-
   def call_model(operands):
     """Propose K drafts and score them: one (K + 1)-token model call."""
     s, drafter = operands
@@ -220,15 +212,28 @@ def _speculative(step_fn, state, logits, key, params, positions, eos_ids, pad_id
     round_logits = jnp.broadcast_to(prefill_logits[:, None], (batch, k + 1, vocab))
     return round_logits, jnp.full((batch, k), -1, jnp.int32), drafter, s.model_state
 
-  def advance(carry, r):
+  def advance(carry, r, call=None):
     """Round r: propose, one (K + 1)-token model call, draw and accept. Round 0 draws token 0
-    from the prefill's logits instead (one loop body, so the program holds the processor chain
-    once); a round in which no row is live calls nothing."""
+    from the prefill's logits instead (on CPU and TPU in the same loop body, so the program
+    holds the processor chain once; `call`: see `loop.run_from_prefill`); a round in which no
+    row is live calls nothing on CPU and TPU, and is not counted in `calls` anywhere."""
     s, drafter, accepted, drafted, calls = carry
     calling = (r > 0) & jnp.any(s.live)
-    round_logits, drafts, drafter, model_state = lax.cond(calling, call_model, from_prefill,
-                                                          (s, drafter))
+    round_logits, drafts, drafter, model_state = loop.call_or_skip(
+        call, calling, call_model, from_prefill, (s, drafter))
     drafted = drafted + jnp.int32(k) * (s.live & calling)
+
+    # Defined per round, not once: a loop body is traced once per formulation
+    # (`jaxdecode._platform`), and jax caches a traced body by the function's identity.
+    def verify(carry, j):
+      s, in_run, accepted, logits, drafts = carry
+      token, logprob = loop.draw(spec, s, logits[:, j], s.lengths)
+      recorded = in_run & s.live & ~jnp.isnan(logprob)  # NaN: nothing selectable, a dead end
+      s = loop.record(spec, s, token, logprob, in_run)
+      draft = drafts[:, jnp.minimum(j, k - 1)]
+      match = (j < k) & (token == draft)
+      return (s, in_run & match, accepted + (recorded & match), logits, drafts), None
+
     init = (s.replace(model_state=model_state), s.live, accepted, round_logits, drafts)
     (s, _, accepted, _, _), _ = lax.scan(verify, init, jnp.arange(k + 1, dtype=jnp.int32))
     return s, drafter, accepted, drafted, calls + calling
@@ -238,9 +243,10 @@ def _speculative(step_fn, state, logits, key, params, positions, eos_ids, pad_id
   s = loop.init_state(spec, state, counts, max_new_tokens)
   zeros = jnp.zeros((batch,), jnp.int32)
   carry = (s, drafter, zeros, zeros, jnp.int32(0))
-  s, _, accepted, drafted, calls = loop.run_chunks(
-      advance, carry, first=0, rounds=max_new_tokens, chunk=chunk_size,
-      done=lambda c: loop.all_done(c[0]))
+  s, _, accepted, drafted, calls = _platform.by_platform(
+      lambda carry: loop.run_from_prefill(advance, carry, rounds=max_new_tokens,
+                                          chunk=chunk_size, done=lambda c: loop.all_done(c[0])),
+      carry)
   return SpeculativeOutput(s.tokens, s.logprobs, s.lengths, s.finished, s.model_state,
                            accepted, drafted, calls, dead_end=s.dead_end)
 

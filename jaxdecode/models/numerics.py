@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxdecode import _platform
 from jaxdecode._reduce import tree_sum
 
 CHUNK = 64  # cache slots per attention chunk; a cache holds a multiple of it (changing it changes bits)
@@ -173,8 +174,9 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_pos: jax.A
   """Causal attention of queries over a cache whose slot p holds position p.
 
   Query t of row b (at position `q_pos[b, t]`) attends to slots 0..q_pos[b, t]; slots beyond
-  are never used, whatever they hold. Chunks of `CHUNK` slots are visited up to the one holding
-  the furthest query of the batch, not up to the cache length.
+  are never used, whatever they hold. On CPU and TPU chunks of `CHUNK` slots are visited up to
+  the one holding the furthest query of the batch; on a GPU every chunk is (a loop with a
+  constant trip count: `jaxdecode._platform`), and a chunk past a query leaves it unchanged.
 
   Args:
     q: float32[B, K, H, Dh] (RoPE applied, not scaled).
@@ -217,12 +219,26 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_pos: jax.A
       row_end = jnp.max(q_pos, axis=1)  # [B]; slots beyond a row's last query are unused
       vh = jnp.where((slot[None, :] <= row_end[:, None])[:, None, :, None], vh, 0.0)
       acc_new = acc * alpha[..., None] + jnp.einsum("bhkc,bhcd->bhkd", p, vh)
-    return c + 1, m_new, l_new, acc_new
+    # A query before this chunk keeps its carry exactly (x * 1 + 0 would turn -0.0 into +0.0),
+    # so how many chunks the loop visits never changes a bit.
+    used = (start <= q_pos)[:, None, :]  # [B, 1, K]
+    return (c + 1, jnp.where(used, m_new, m), jnp.where(used, l_new, l),
+            jnp.where(used[..., None], acc_new, acc))
 
   init = (jnp.int32(0), jnp.full((batch, heads, width), _NEG, jnp.float32),
           jnp.zeros((batch, heads, width), jnp.float32),
           jnp.zeros((batch, heads, width, dim), jnp.float32))
-  _, _, l, acc = lax.while_loop(lambda carry: carry[0] < n_chunks, body, init)
+
+  def up_to_furthest_query(init):  # CPU, TPU: stop at the data's end
+    return lax.while_loop(lambda carry: carry[0] < n_chunks, body, init)
+
+  def every_chunk(init):  # GPU: a constant trip count, no predicate read back per chunk
+    return lax.fori_loop(0, slots // CHUNK, lambda i, carry: body(carry), init)
+
+  def visit(init):
+    return (every_chunk if _platform.mode() == _platform.STRAIGHT else up_to_furthest_query)(init)
+
+  _, _, l, acc = _platform.by_platform(visit, init)
   out = acc / jnp.where(l > 0, l, 1.0)[..., None]
   return jnp.transpose(out, (0, 2, 1, 3))  # [B, K, H, Dh]
 

@@ -155,7 +155,7 @@ def _start(step_fn, state, logits, counts, key, params, positions, eos, pad, *,
   batch, vocab = logits.shape
   spec = decoding.make_spec(key, params, positions, eos, pad, (), batch=batch, vocab=vocab)
   carry = decoding.start(spec, state, logits, counts, max_new_tokens)
-  s, _, logits = decoding.make_advance(step_fn, spec)(carry, jnp.int32(0))
+  s, _, logits = decoding.make_advance(step_fn, spec)(carry, jnp.int32(0), call=False)
   return s, logits
 
 
