@@ -46,6 +46,7 @@ from jaxdecode import decoding
 from jaxdecode import loop
 from jaxdecode import processors
 from jaxdecode import sampling
+from jaxdecode import structured
 from jaxdecode import threshold
 from jaxdecode.params import SamplingParams
 
@@ -256,7 +257,8 @@ def beam_step(spec: loop.LoopSpec, s: BeamState, logits: jax.Array, t: jax.Array
   state = s.beams
   parents = state.replace(model_state=take_beams(state.model_state, rows, axes),
                           **{f: getattr(state, f)[rows] for f in
-                             ("tokens", "logprobs", "lengths", "finished", "counts")})
+                             ("tokens", "logprobs", "lengths", "finished", "counts",
+                              "automaton")})
   # Running beams never finish: an EOS id only ends the candidates that are finalized.
   keep_going = dataclasses.replace(spec, is_eos=jnp.zeros_like(spec.is_eos))
   new_beams = loop.record(keep_going, parents, _along(token, pick).reshape(-1),
@@ -347,7 +349,7 @@ def init_state(spec: loop.LoopSpec, model_state, counts: jax.Array, *, batch: in
 
 
 def _beam_search(step_fn, state, logits, params, positions, eos_ids, pad_id, counts,
-                 length_penalty, logits_processors, *, axes: tuple, beam_size: int,
+                 length_penalty, logits_processors, constraint, *, axes: tuple, beam_size: int,
                  num_return: int, max_new_tokens: int, early_stopping, chunk_size: int):
   batch, vocab = logits.shape
   k, n = beam_size, max_new_tokens
@@ -357,7 +359,10 @@ def _beam_search(step_fn, state, logits, params, positions, eos_ids, pad_id, cou
       row_keys=sampling.row_keys(jax.random.key(0), rows),  # unused: the search draws nothing
       params=params.rows(beam_row).sanitized(), is_eos=loop.eos_mask(eos_ids, vocab),
       pad_id=loop.checked_pad_id(pad_id, vocab), positions=positions[beam_row],
-      logits_processors=logits_processors)
+      logits_processors=logits_processors,
+      constraint=None if constraint is None else dataclasses.replace(
+          constraint, initial=constraint.initial[beam_row],
+          automaton=constraint.automaton[beam_row]))
   model_state = expand_beams(state, axes, k)
   decoding.check_step_output(jax.eval_shape(step_fn, model_state, jnp.zeros(rows, jnp.int32),
                                             spec.positions), model_state, (rows, vocab))
@@ -406,7 +411,8 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
                 pad_id: int = 0, length_penalty: float = 1.0, early_stopping=True,
                 params: SamplingParams | None = None, state_axes: Any = 0,
                 num_return: int | None = None, counts=None, chunk_size: int = 16,
-                logits_processors: Sequence[Callable] | None = None) -> BeamOutput:
+                logits_processors: Sequence[Callable] | None = None,
+                constraint=None) -> BeamOutput:
   """Beam search over a model step function: the `num_return` best of `beam_size` beams per row.
 
   The semantics are those of transformers 4.x `generate(num_beams=K)` (PyTorch): each step takes
@@ -461,6 +467,9 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
       is done.
     logits_processors: your own processors, as in `decode`; they see B * K rows (the beams), with
       each beam's tokens and counts in the context.
+    constraint: a `jaxdecode.structured` constraint, as in `decode` (one per prompt row with
+      `stack`); each beam carries its automaton state, gathered from its parent, so every
+      hypothesis that ends with EOS is a whole match.
 
   Returns:
     A `BeamOutput` of `[B, R, ...]` arrays, best first.
@@ -522,8 +531,10 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
   axes = leaf_axes(state_axes, state, batch)
   decoding.check_fits(step_fn, state, positions, max_new_tokens, "beam_search")
+  constraint = structured.check(constraint, batch, vocab, "beam_search")
   return _beam_search_jit(step_fn, state, jnp.asarray(logits), params, positions, eos, pad,
                           counts, length_penalty, loop.as_processors(logits_processors),
+                          constraint,
                           axes=axes, beam_size=beam_size, num_return=num_return,
                           max_new_tokens=max_new_tokens, early_stopping=early_stopping,
                           chunk_size=chunk_size)

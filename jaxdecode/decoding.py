@@ -20,6 +20,7 @@ from jaxdecode import _platform
 from jaxdecode import loop
 from jaxdecode import processors
 from jaxdecode import sampling
+from jaxdecode import structured
 from jaxdecode.params import SamplingParams
 
 
@@ -126,12 +127,12 @@ def check_fits(step_fn, state, positions, max_new_tokens: int, caller: str) -> N
 
 
 def make_spec(key, params: SamplingParams, positions, eos_ids, pad_id, logits_processors,
-              *, batch: int, vocab: int) -> loop.LoopSpec:
+              *, batch: int, vocab: int, constraint=None) -> loop.LoopSpec:
   """The `LoopSpec` of checked inputs, built under jit (sanitizes traced values by rule)."""
   return loop.LoopSpec(row_keys=sampling.row_keys(key, batch), params=params.sanitized(),
                        is_eos=loop.eos_mask(eos_ids, vocab),
                        pad_id=loop.checked_pad_id(pad_id, vocab), positions=positions,
-                       logits_processors=logits_processors)
+                       logits_processors=logits_processors, constraint=constraint)
 
 
 def score(logits, processed, token, logprob, *, top_logprobs: int, logprobs_mode: str):
@@ -238,11 +239,11 @@ def output(carry) -> DecodeOutput:
 
 
 def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, counts,
-            logits_processors, *, max_new_tokens: int, chunk_size: int, top_logprobs: int = 0,
-            logprobs_mode: str = "processed"):
+            logits_processors, constraint, *, max_new_tokens: int, chunk_size: int,
+            top_logprobs: int = 0, logprobs_mode: str = "processed"):
   batch, vocab = logits.shape
   spec = make_spec(key, params, positions, eos_ids, pad_id, logits_processors, batch=batch,
-                   vocab=vocab)
+                   vocab=vocab, constraint=constraint)
   check_step_output(jax.eval_shape(step_fn, state, jnp.zeros(batch, jnp.int32), positions),
                     state, (batch, vocab))
   loop.check_processors(spec, batch, vocab, max_new_tokens)
@@ -263,7 +264,7 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
            max_new_tokens: int, positions: jax.Array, eos_ids: Sequence[int] = (),
            pad_id: int = 0, counts=None, chunk_size: int = 16,
            logits_processors: Sequence[Callable] | None = None, top_logprobs: int = 0,
-           logprobs_mode: str = "processed") -> DecodeOutput:
+           logprobs_mode: str = "processed", constraint=None) -> DecodeOutput:
   """Generates up to `max_new_tokens` tokens per row with `lax.scan` over a model step function.
 
   Args:
@@ -305,6 +306,11 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
       (the default; the distribution the token was drawn from, after every processor and the
       temperature; removed tokens at -inf; 0 for greedy rows) or "raw" (the log-softmax of
       the logits `step_fn` returned, before any processing).
+    constraint: a `jaxdecode.structured` constraint (`regex`, `json_schema`, `choice`, or
+      `stack` for one per row): each row's new text must follow its automaton; the allowed
+      tokens are masked first, before everything else, and an EOS id is allowed only where the
+      text is a whole match. Its tables are traced (a new pattern of the same padded sizes does
+      not recompile). None: unconstrained.
 
   Returns:
     A `DecodeOutput`. Every traced input (state, logits, key, params, positions, eos_ids,
@@ -340,8 +346,10 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
   counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
   positions = _checks.row_integers("positions", positions, batch, "one per row of the logits")
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
+  constraint = structured.check(constraint, batch, vocab, "decode")
   check_fits(step_fn, state, positions, max_new_tokens, "decode")
   return _decode_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad, counts,
-                     loop.as_processors(logits_processors), max_new_tokens=max_new_tokens,
+                     loop.as_processors(logits_processors), constraint,
+                     max_new_tokens=max_new_tokens,
                      chunk_size=chunk_size, top_logprobs=top_logprobs,
                      logprobs_mode=logprobs_mode)

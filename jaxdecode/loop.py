@@ -31,6 +31,7 @@ from jax import lax
 from jaxdecode import _platform
 from jaxdecode import processors
 from jaxdecode import sampling
+from jaxdecode import structured
 from jaxdecode.params import SamplingParams
 
 
@@ -62,6 +63,7 @@ class LoopSpec:
     positions: int32[B], the position of each row's first new token.
     logits_processors: a tuple of user processors `(logits [B, V], DecodeContext) -> logits`
       (pytrees: their array leaves are traced).
+    constraint: a `jaxdecode.structured.Constraint` of B rows, or None.
   """
   row_keys: jax.Array
   params: SamplingParams
@@ -69,6 +71,7 @@ class LoopSpec:
   pad_id: jax.Array
   positions: jax.Array
   logits_processors: tuple = ()
+  constraint: Any = None
 
 
 @jax.tree_util.register_dataclass
@@ -87,6 +90,7 @@ class LoopState:
     dead_end: bool[B], True once a step of the row had nothing selectable (its processed logits
       all -inf or NaN: a model past its cache, a processor that removes every token); the row
       stopped there, without a token for that step.
+    automaton: int32[B], each row's state in `spec.constraint`'s automaton (0 without one).
   """
   model_state: Any
   last: jax.Array
@@ -96,6 +100,7 @@ class LoopState:
   finished: jax.Array
   counts: jax.Array
   dead_end: jax.Array
+  automaton: jax.Array
 
   def replace(self, **changes) -> "LoopState":
     return dataclasses.replace(self, **changes)
@@ -126,15 +131,18 @@ def init_state(spec: LoopSpec, model_state, counts: jax.Array, max_new_tokens: i
                    logprobs=jnp.zeros((batch, max_new_tokens), jnp.float32),
                    lengths=jnp.zeros((batch,), jnp.int32),
                    finished=jnp.zeros((batch,), bool), counts=counts,
-                   dead_end=jnp.zeros((batch,), bool))
+                   dead_end=jnp.zeros((batch,), bool),
+                   automaton=(jnp.zeros((batch,), jnp.int32) if spec.constraint is None
+                              else spec.constraint.initial))
 
 
 def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array) -> jax.Array:
   """The processed float32 logits `[B, V]` of step `step[b]` of each row.
 
-  In order: the user logit processors, then EOS ids masked where `step < min_new_tokens`, then
-  the processor chain of `spec.params` with the state's counts. Every loop goes through this, so
-  they all apply the same rules.
+  In order: the constraint's mask (tokens its automaton does not allow from the row's state
+  become -inf), the user logit processors, then EOS ids masked where `step < min_new_tokens`,
+  then the processor chain of `spec.params` with the state's counts. Every loop goes through
+  this, so they all apply the same rules.
 
   Args:
     spec: the loop's fixed inputs.
@@ -142,6 +150,9 @@ def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array
     logits: [B, V] the model's logits for this step.
     step: int32[B].
   """
+  if spec.constraint is not None:
+    logits = jnp.where(structured.allowed(spec.constraint, state.automaton),
+                       logits.astype(jnp.float32), -jnp.inf)
   if spec.logits_processors:
     context = DecodeContext(step=step, tokens=state.tokens, counts=state.counts)
     logits = logits.astype(jnp.float32)
@@ -195,7 +206,10 @@ def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Arra
       lengths=state.lengths + recorded,
       finished=finished,
       counts=state.counts.at[rows, token].add(recorded.astype(jnp.int32)),
-      dead_end=dead_end)
+      dead_end=dead_end,
+      automaton=state.automaton if spec.constraint is None else jnp.where(
+          recorded, structured.advance(spec.constraint, state.automaton, token),
+          state.automaton))
 
 
 def all_done(state: LoopState) -> jax.Array:

@@ -42,6 +42,7 @@ from jaxdecode import _checks
 from jaxdecode import _platform
 from jaxdecode import loop
 from jaxdecode import processors
+from jaxdecode import structured
 from jaxdecode.decoding import DecodeOutput, check_fits, check_step_output, make_spec
 from jaxdecode.params import SamplingParams
 
@@ -183,12 +184,12 @@ class ModelDrafter:
 
 
 def _speculative(step_fn, state, logits, key, params, positions, eos_ids, pad_id, counts,
-                 logits_processors, drafter, *, max_new_tokens: int, num_draft_tokens: int,
-                 chunk_size: int):
+                 logits_processors, drafter, constraint, *, max_new_tokens: int,
+                 num_draft_tokens: int, chunk_size: int):
   batch, vocab = logits.shape
   k = num_draft_tokens
   spec = make_spec(key, params, positions, eos_ids, pad_id, logits_processors, batch=batch,
-                   vocab=vocab)
+                   vocab=vocab, constraint=constraint)
   check_step_output(jax.eval_shape(step_fn, state, jnp.zeros((batch, k + 1), jnp.int32),
                                    positions), state, (batch, k + 1, vocab))
   loop.check_processors(spec, batch, vocab, max_new_tokens)
@@ -259,8 +260,8 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
                        params: SamplingParams, max_new_tokens: int, positions: jax.Array,
                        drafter, num_draft_tokens: int = 4, eos_ids: Sequence[int] = (),
                        pad_id: int = 0, counts=None, chunk_size: int = 4,
-                       logits_processors: Sequence[Callable] | None = None
-                       ) -> SpeculativeOutput:
+                       logits_processors: Sequence[Callable] | None = None,
+                       constraint=None) -> SpeculativeOutput:
   """`decode`, with K drafted tokens verified per model call: the same tokens, fewer calls.
 
   Args:
@@ -269,7 +270,9 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
       positions `positions[b] + j`; it must give bitwise the logits of K + 1 single steps (the
       embedded transformer's step does) for the output to equal `decode`'s. Static.
     state, logits, key, params, max_new_tokens, positions, eos_ids, pad_id, counts,
-    logits_processors: as in `decode`.
+    logits_processors, constraint: as in `decode` (drafts are verified under the constraint:
+      a draft token the automaton does not allow is never accepted, so the output is the
+      constrained `decode`'s).
     drafter: a pytree with `propose(context: DraftContext, num_draft_tokens) -> (drafts
       int32[B, K], drafter)`, e.g. `NgramDrafter` or `ModelDrafter`.
     num_draft_tokens: K (static), drafts per round.
@@ -296,8 +299,9 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
   counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
   positions = _checks.row_integers("positions", positions, batch, "one per row of the logits")
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
+  constraint = structured.check(constraint, batch, vocab, "speculative_decode")
   check_fits(step_fn, state, positions, max_new_tokens, "speculative_decode")
   return _speculative_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad,
-                          counts, loop.as_processors(logits_processors), drafter,
+                          counts, loop.as_processors(logits_processors), drafter, constraint,
                           max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
                           chunk_size=chunk_size)

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdecode import _checks
+from jaxdecode import structured
 from jaxdecode.beam import beam_search
 from jaxdecode.decoding import decode
 from jaxdecode.models import extras
@@ -119,7 +120,8 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
              num_return: int | None = None, length_penalty: float = 1.0, draft=None,
              num_draft_tokens: int = 4, stop=None, include_stop: bool = False, n: int = 1,
              top_logprobs: int = 0, logprobs_mode: str = "processed",
-             prompt_logprobs: bool = False) -> Generation:
+             prompt_logprobs: bool = False, regex=None, json_schema=None,
+             choices=None) -> Generation:
   """Continues each text prompt; all prompts run as one batch.
 
   Args:
@@ -163,6 +165,12 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
       `beam_size` or `draft`.
     prompt_logprobs: whether to return each prompt token's log-probability under the model
       (`Generation.prompt_logprobs`), computed in the prefill pass.
+    regex, json_schema, choices: structured output (at most one of them; see
+      `jaxdecode.structured`): a regular expression the new text must match as a whole, a JSON
+      schema (a dict or a JSON string) it must validate against, or a list of strings it must
+      be one of. Give one for every prompt, or a list with one per prompt (`None`: that prompt
+      is unconstrained; for `choices`, a list of option lists). A row that ends with EOS is a
+      whole match (`finished`); one stopped by `max_new_tokens` holds a prefix of one.
 
   Returns:
     A `Generation`. The same key, prompts and params give the same texts (with or without a
@@ -182,17 +190,18 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
                   penalize_prompt=penalize_prompt, beam_size=beam_size, draft=draft,
                   num_draft_tokens=num_draft_tokens, stop=stop, include_stop=include_stop, n=n,
                   top_logprobs=top_logprobs, logprobs_mode=logprobs_mode,
-                  prompt_logprobs=prompt_logprobs)
+                  prompt_logprobs=prompt_logprobs, regex=regex, json_schema=json_schema,
+                  choices=choices)
   tokenizer = batch.tokenizer
   if beam_size is not None:
     return _beam_generation(batch.graphdef, batch.state, batch.logits, batch.lengths,
                             batch.counts, batch.started, tokenizer, batch.params, max_new_tokens,
                             beam_size, num_return, length_penalty,
-                            prompt_logprobs=batch.prompt_logprobs)
+                            prompt_logprobs=batch.prompt_logprobs, constraint=batch.constraint)
   stats = {}
   options = dict(key=batch.key, params=batch.params, max_new_tokens=max_new_tokens,
                  positions=batch.lengths, eos_ids=[tokenizer.EOS], pad_id=tokenizer.PAD,
-                 counts=batch.counts)
+                 counts=batch.counts, constraint=batch.constraint)
   if draft is None:
     out = decode(step_fn_for(batch.graphdef), batch.state, batch.logits, **options,
                  top_logprobs=batch.top_logprobs, logprobs_mode=batch.logprobs_mode)
@@ -249,11 +258,13 @@ class Prepared:
   top_logprobs: int
   logprobs_mode: str
   prompt_logprobs: list | None
+  constraint: object = None
 
 
 def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, penalize_prompt,
             beam_size, draft, num_draft_tokens, stop, include_stop, n, top_logprobs,
-            logprobs_mode, prompt_logprobs) -> Prepared:
+            logprobs_mode, prompt_logprobs, regex=None, json_schema=None,
+            choices=None) -> Prepared:
   """Checks `generate`'s arguments (all of them, before anything compiles), prefills each
   prompt once and copies its rows n times. Returns a `Prepared`."""
   prompts = _checks.text_prompts(prompts)
@@ -296,6 +307,10 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
   _check_min_new_tokens(params, max_new_tokens)
   if beam_size is not None:
     _checks.beam_size_fits(beam_size, len(prompts), model.config.vocab_size)
+  constraint = _constraint(regex, json_schema, choices, len(prompts), n, tokenizer,
+                           model.config.vocab_size)
+  if constraint is not None:
+    structured.check_token_sets(constraint, params, len(prompts), n)
   started = time.perf_counter()
   tokens, lengths = right_pad(ids, pad_id=tokenizer.PAD, width=width)
   graphdef, weights = nnx.split(model)
@@ -323,7 +338,42 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
     logits, tokens, lengths, counts = extras.repeat_rows((logits, tokens, lengths, counts), n)
   return Prepared(tokenizer, graphdef, ids, tokens, lengths, width, room, logits, state, key,
                   params, counts, started, n, stop, include_stop, top_logprobs, logprobs_mode,
-                  prompt_lp)
+                  prompt_lp, constraint)
+
+
+def _constraint(regex, json_schema, choices, prompts: int, n: int, tokenizer, vocab: int):
+  """The `jaxdecode.structured` constraint of generate's `regex=`, `json_schema=` or `choices=`
+  (one for all rows, or one per row: prompts · n, prompt-major), or None."""
+  given = [(name, value) for name, value in (("regex", regex), ("json_schema", json_schema),
+                                              ("choices", choices)) if value is not None]
+  if not given:
+    return None
+  if len(given) > 1:
+    raise ValueError(f"give at most one of regex, json_schema and choices; got "
+                     f"{', '.join(name for name, _ in given)}")
+  name, value = given[0]
+  if not hasattr(tokenizer, "vocabulary"):
+    raise ValueError(f"{name} needs a tokenizer with vocabulary() (jaxdecode.structured); got "
+                     f"{type(tokenizer).__name__}")
+  vocabulary = tokenizer.vocabulary()
+  if len(vocabulary) != vocab:
+    raise ValueError(f"the tokenizer's vocabulary has {len(vocabulary)} tokens but the model "
+                     f"{vocab}")
+  build = {"regex": structured.regex, "json_schema": structured.json_schema,
+           "choices": structured.choice}[name]
+  one = {"regex": lambda v: isinstance(v, str), "json_schema": lambda v: isinstance(v, (str, dict)),
+         "choices": lambda v: isinstance(v, (list, tuple)) and all(isinstance(o, str) for o in v)
+         and len(v) > 0}[name]
+  if one(value):
+    return build(value, vocabulary)
+  if not isinstance(value, (list, tuple)) or len(value) != prompts:
+    raise ValueError(f"{name} must be one {'option list' if name == 'choices' else name} for "
+                     f"every prompt, or a list with one per prompt ({prompts}; None for an "
+                     f"unconstrained prompt); got {value!r:.80}")
+  per_prompt = [None if v is None else build(v, vocabulary) for v in value]
+  if all(c is None for c in per_prompt):
+    return None
+  return structured.stack([c for c in per_prompt for _ in range(n)])
 
 
 def _check_min_new_tokens(params: SamplingParams, max_new_tokens: int) -> None:
@@ -392,13 +442,14 @@ def _check_draft(draft, num_draft_tokens, model: Transformer, beam_size) -> None
 
 def _beam_generation(graphdef, state, logits, lengths, counts, started, tokenizer, params,
                      max_new_tokens, beam_size, num_return, length_penalty,
-                     prompt_logprobs=None) -> Generation:
+                     prompt_logprobs=None, constraint=None) -> Generation:
   """`generate` with beam search, from the prefill on: the best beam in the main fields, the
   `num_return` best in `beams` and `scores`."""
   out = beam_search(step_fn_for(graphdef), state, logits, beam_size=beam_size,
                     num_return=num_return, max_new_tokens=max_new_tokens, positions=lengths,
                     eos_ids=[tokenizer.EOS], pad_id=tokenizer.PAD, length_penalty=length_penalty,
-                    params=params, counts=counts, state_axes=DECODE_STATE_AXES)
+                    params=params, counts=counts, state_axes=DECODE_STATE_AXES,
+                    constraint=constraint)
   tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)  # [B, R, N], [B, R]
   seconds = time.perf_counter() - started
   # A slot that no hypothesis reached (length 0, score -inf: the prompt has fewer possible

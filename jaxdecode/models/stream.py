@@ -56,7 +56,8 @@ def stream(prompts: Sequence[str], *, model: Transformer | None = None,
            num_return: int | None = None, length_penalty: float = 1.0, draft=None,
            num_draft_tokens: int = 4, stop=None, include_stop: bool = False, n: int = 1,
            top_logprobs: int = 0, logprobs_mode: str = "processed",
-           prompt_logprobs: bool = False, chunk_size: int = 16) -> Iterator[StreamChunk]:
+           prompt_logprobs: bool = False, chunk_size: int = 16, regex=None, json_schema=None,
+           choices=None) -> Iterator[StreamChunk]:
   """Continues each text prompt like `generate`, yielding the text as it is produced.
 
   The arguments are `generate`'s (same keys, same tokens, same texts), plus `chunk_size`.
@@ -97,7 +98,8 @@ def stream(prompts: Sequence[str], *, model: Transformer | None = None,
       prompts, model=model, params=params, seed=seed, key=key, max_new_tokens=max_new_tokens,
       tokenizer=tokenizer, penalize_prompt=penalize_prompt, beam_size=None, draft=None,
       num_draft_tokens=num_draft_tokens, stop=stop, include_stop=include_stop, n=n,
-      top_logprobs=0, logprobs_mode="processed", prompt_logprobs=False)
+      top_logprobs=0, logprobs_mode="processed", prompt_logprobs=False, regex=regex,
+      json_schema=json_schema, choices=choices)
   return _chunks(batch, max_new_tokens, chunk_size)
 
 
@@ -110,7 +112,7 @@ def _chunks(batch, max_new_tokens: int, chunk_size: int) -> Iterator[StreamChunk
   counts = jnp.zeros(batch.logits.shape, jnp.int32) if counts is None else counts
   decoding.check_fits(step_fn, batch.state, batch.lengths, max_new_tokens, "stream")
   inputs = (batch.key, params, batch.lengths, jnp.asarray([tok.EOS], jnp.int32),
-            jnp.asarray(tok.PAD, jnp.int32))
+            jnp.asarray(tok.PAD, jnp.int32), batch.constraint)
   carry = _start(step_fn, batch.state, batch.logits, counts, *inputs,
                  max_new_tokens=max_new_tokens)
   rows = [extras.RowText(batch.stop, batch.include_stop) for _ in range(batch.logits.shape[0])]
@@ -148,25 +150,28 @@ def _texts(rows, seen, tokens, lengths, finished, dead_end, max_new_tokens: int)
 
 
 @functools.partial(jax.jit, static_argnames=("step_fn", "max_new_tokens"))
-def _start(step_fn, state, logits, counts, key, params, positions, eos, pad, *,
+def _start(step_fn, state, logits, counts, key, params, positions, eos, pad, constraint, *,
            max_new_tokens: int):
   """`decode`'s step 0 (from the prefill's logits): the carry `(LoopState, float32 logits)`
   before the first chunk."""
   batch, vocab = logits.shape
-  spec = decoding.make_spec(key, params, positions, eos, pad, (), batch=batch, vocab=vocab)
+  spec = decoding.make_spec(key, params, positions, eos, pad, (), batch=batch, vocab=vocab,
+                            constraint=constraint)
   carry = decoding.start(spec, state, logits, counts, max_new_tokens)
   s, _, logits = decoding.make_advance(step_fn, spec)(carry, jnp.int32(0), call=False)
   return s, logits
 
 
 @functools.partial(jax.jit, static_argnames=("step_fn", "chunk_size"))
-def _chunk(step_fn, carry, key, params, positions, eos, pad, first, *, chunk_size: int):
+def _chunk(step_fn, carry, key, params, positions, eos, pad, constraint, first, *,
+           chunk_size: int):
   """Steps first .. first + chunk_size - 1 of `decode`'s loop (one program for every chunk:
   `first` is traced) on the carry `(LoopState, logits)`. Steps past a row's end record nothing,
   as in `decode`."""
   s, logits = carry
   batch, vocab = s.counts.shape
-  spec = decoding.make_spec(key, params, positions, eos, pad, (), batch=batch, vocab=vocab)
+  spec = decoding.make_spec(key, params, positions, eos, pad, (), batch=batch, vocab=vocab,
+                            constraint=constraint)
   advance = decoding.make_advance(step_fn, spec)
 
   def body(carry, t):

@@ -33,6 +33,11 @@ class ByteTokenizer:
     """`(BOS, EOS, PAD)`."""
     return (self.BOS, self.EOS, self.PAD)
 
+  def vocabulary(self):
+    """The tokens as bytes for `jaxdecode.structured` (BOS, EOS and PAD are special; EOS ends)."""
+    from jaxdecode import structured  # pylint: disable=import-outside-toplevel
+    return structured.Vocabulary([bytes([i]) for i in range(256)] + [None] * 3, [self.EOS])
+
   def encode(self, text: str, *, bos: bool = True) -> list[int]:
     """Token ids of `text`: its UTF-8 bytes, after BOS if `bos`.
 
