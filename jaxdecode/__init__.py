@@ -6,6 +6,7 @@ lives in `jaxdecode.models`, the command and its tools in `jaxdecode.tools`.
 
 from jaxdecode import metrics
 from jaxdecode import processors
+from jaxdecode import structured
 from jaxdecode.beam import BeamOutput
 from jaxdecode.beam import beam_search
 from jaxdecode.decoding import DecodeOutput
@@ -56,6 +57,7 @@ __all__ = [
     "sample_with_logprobs",
     "selectable",
     "speculative_decode",
+    "structured",
     "SpeculativeOutput",
     "token_counts",
 ]

@@ -5,11 +5,11 @@ import doctest
 import pytest
 
 import jaxdecode
-from jaxdecode import _checks, beam, decoding, params, processors, prompts, sampling
+from jaxdecode import _checks, beam, decoding, params, processors, prompts, sampling, structured
 from jaxdecode.models import extras, tokenizer, transformer
 
-MODULES = [_checks, beam, decoding, extras, params, processors, prompts, sampling, tokenizer,
-           transformer]
+MODULES = [_checks, beam, decoding, extras, params, processors, prompts, sampling, structured,
+           tokenizer, transformer]
 
 
 @pytest.mark.slow
