@@ -491,6 +491,9 @@ def test_cli_draft_prints_the_same_text_and_the_acceptance(tiny, capsys):
     (["generate", "x", "-n", "100000000000"], "n must be an integer in [1, 2147483647]"),
     (["eval", "/no/such/file"], "does not exist"),
     (["bogus"], "invalid choice: 'bogus'"),
+    (["generate", "x", "--regex", "(", "--max-new-tokens", "8"], "regex '(' cannot be compiled"),
+    (["generate", "x", "--regex", "a", "--choice", "b"], "not allowed with argument"),
+    (["generate", "x", "--json-schema", "/no/such.json"], "does not exist"),
 ])
 def test_cli_user_mistakes_give_one_line_and_exit_2(tiny, capsys, argv, fragment):
   _, path = tiny
@@ -544,3 +547,27 @@ def test_cli_bench_runs_the_suite_and_rejects_bad_flags(capsys):
   assert code == 2 and "runs" in err and "Traceback" not in err
   code, out, _ = run_cli(capsys, "bench", "--help")
   assert code == 0 and "--quick" in out and "jaxdecode bench" in out
+
+
+@pytest.mark.slow
+def test_cli_structured_output_matches_with_json_beams_and_a_draft(tiny, capsys, tmp_path):
+  _, path = tiny
+  schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+  (tmp_path / "s.json").write_text(json.dumps(schema))
+  code, out, _ = run_cli(capsys, "generate", "a", "b", "--model", path, "--json-schema",
+                         str(tmp_path / "s.json"), "--max-new-tokens", "40", "--json", "-n", "2")
+  rows = json.loads(out)["rows"]
+  assert code == 0 and len(rows) == 4
+  for row in rows:  # a finished row parses and has the required key; others are cut short
+    if row["finished"]:
+      assert isinstance(json.loads(row["text"])["n"], int)
+    else:
+      assert len(row["tokens"]) == 40
+  code, out, _ = run_cli(capsys, "generate", "a", "--model", path, "--choice", "yes",
+                         "--choice", "no", "--beams", "2", "--num-return", "2", "--no-stream",
+                         "--max-new-tokens", "8")
+  assert code == 0 and sorted(re.findall(r"^a(yes|no)$", out, re.M)) == ["no", "yes"]
+  code, out, _ = run_cli(capsys, "generate", "a", "--model", path, "--regex", "[0-9]{3}",
+                         "--draft", "ngram", "--json", "--max-new-tokens", "8")
+  text = json.loads(out)["rows"][0]["text"]
+  assert code == 0 and re.fullmatch("[0-9]{3}", text)

@@ -154,3 +154,16 @@ def test_bench_cell_printed_the_tiny_tables(executed):
   assert "Decode: jaxdecode.decode, batch 2, 8 new tokens per row" in out
   assert re.search(r"^default +259 ", out, re.M)
 
+
+def test_doctor_cell_printed_its_table_and_the_verdict_last(executed):
+  nb, _ = executed
+  out = _text(_cell(nb, "doctor.main("))
+  lines = out.rstrip("\n").splitlines()
+  assert lines[0].startswith("$ jaxdecode doctor --quick --mixes 2 --steps 8 --max-batch 2")
+  assert "  backend    cpu (lowering platform cpu); 1 device(s): cpu" in lines
+  assert re.search(r"^  batch-invariant +2 +0 +0 +0$", out, re.M)
+  assert re.search(r"^sampler cost .*: lm logits \[2, 1000\], 5 runs", out, re.M)
+  assert re.search(r"^decode \(jaxdecode\.decode, embedded model\): batch 2, 8 new tokens", out,
+                   re.M)
+  assert "structure (lowered for cpu, nothing run)" in out and "failed" not in out
+  assert lines[-1].startswith("verdict: bitwise promise holds here (0/2 mixes diverge; ")

@@ -1,4 +1,4 @@
-"""The `jaxdecode` command: generate, eval, train, audit, bench, sweep.
+"""The `jaxdecode` command: generate, eval, train, audit, bench, sweep, doctor.
 
 A user's mistake (a bad flag, value, file or output path) gets a one-line error and exit status
 2, never a traceback; paths are checked before any long work starts. SIGTERM and Ctrl-C stop
@@ -27,6 +27,7 @@ from jaxdecode.models import training
 from jaxdecode.params import SamplingParams
 from jaxdecode.prompts import bucket_length
 from jaxdecode.tools import bench
+from jaxdecode.tools import doctor
 from jaxdecode.tools import sweep
 from jaxdecode.tools._args import OneLineParser, integer, number, positive_int, seed
 
@@ -84,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
                       "the model (raw)")
   g.add_argument("--prompt-logprobs", action="store_true",
                  help="also score each prompt token under the model")
+  shape = g.add_mutually_exclusive_group()
+  shape.add_argument("--regex", default=None, metavar="PATTERN",
+                     help="structured output: the new text must match PATTERN as a whole")
+  shape.add_argument("--json-schema", default=None, metavar="FILE",
+                     help="structured output: the new text must be JSON valid under the schema "
+                          "in FILE")
+  shape.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                     help="structured output: the new text must be one of the --choice TEXTs "
+                          "(repeatable)")
   g.add_argument("--json", action="store_true",
                  help="print one JSON object (texts, tokens, log-probs, top lists, settings)")
   g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
@@ -127,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
   sweep.add_arguments(sub.add_parser(
       "sweep", help="degeneration metrics of 13 sampling settings: a CSV table and a plot",
       description=sweep.__doc__.splitlines()[0]))
+  doctor.add_arguments(sub.add_parser(
+      "doctor", help="what holds on this machine: backend, the bitwise promise, sampler and "
+                     "decode costs, structure; a one-line verdict last",
+      description=doctor.__doc__.splitlines()[0]))
   return parser
 
 
@@ -192,7 +206,8 @@ def _generate(args) -> None:
     _checks.beam_size_fits(beams, len(args.prompts), model.config.vocab_size, name="--beams")
   options = dict(model=model, params=params, seed=args.seed, max_new_tokens=args.max_new_tokens,
                  penalize_prompt=args.penalize_prompt, stop=args.stop,
-                 include_stop=args.include_stop, n=args.n)
+                 include_stop=args.include_stop, n=args.n, regex=args.regex,
+                 json_schema=_schema_file(args.json_schema), choices=args.choice)
   extra = dict(beam_size=beams, num_return=args.num_return if beams else None,
                length_penalty=args.length_penalty, draft=draft,
                num_draft_tokens=args.num_draft_tokens, top_logprobs=args.top_logprobs,
@@ -304,6 +319,17 @@ def _finite(values) -> list:
   return [float(v) if np.isfinite(v) else None for v in np.asarray(values).ravel()]
 
 
+def _schema_file(path: str | None):
+  """The JSON schema in `path` (a dict), or None; a missing or malformed file: ValueError."""
+  if path is None:
+    return None
+  text = _files.read_input(path, "JSON schema file")
+  try:
+    return json.loads(text)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"--json-schema {path!r} is not valid JSON: {e}") from None
+
+
 def _json_report(args, out, options: dict, settings: SamplingParams) -> str:
   """`--json`: one object with the settings and, per row, text, tokens, log-probs, lists."""
   rows = []
@@ -402,7 +428,7 @@ def _audit(args) -> None:
 
 
 COMMANDS = {"generate": _generate, "eval": _eval, "train": _train, "audit": _audit,
-            "sweep": sweep.run_command}
+            "sweep": sweep.run_command, "doctor": doctor.run_command}
 
 
 def _enable_compilation_cache() -> None:
