@@ -531,7 +531,7 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
   axes = leaf_axes(state_axes, state, batch)
   decoding.check_fits(step_fn, state, positions, max_new_tokens, "beam_search")
-  constraint = structured.check(constraint, batch, vocab, "beam_search")
+  constraint = structured.check(constraint, batch, vocab, "beam_search", params)
   return _beam_search_jit(step_fn, state, jnp.asarray(logits), params, positions, eos, pad,
                           counts, length_penalty, loop.as_processors(logits_processors),
                           constraint,

@@ -346,7 +346,7 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
   counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
   positions = _checks.row_integers("positions", positions, batch, "one per row of the logits")
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
-  constraint = structured.check(constraint, batch, vocab, "decode")
+  constraint = structured.check(constraint, batch, vocab, "decode", params)
   check_fits(step_fn, state, positions, max_new_tokens, "decode")
   return _decode_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad, counts,
                      loop.as_processors(logits_processors), constraint,

@@ -299,7 +299,7 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
   counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
   positions = _checks.row_integers("positions", positions, batch, "one per row of the logits")
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
-  constraint = structured.check(constraint, batch, vocab, "speculative_decode")
+  constraint = structured.check(constraint, batch, vocab, "speculative_decode", params)
   check_fits(step_fn, state, positions, max_new_tokens, "speculative_decode")
   return _speculative_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad,
                           counts, loop.as_processors(logits_processors), drafter, constraint,

@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
 from typing import Sequence
 
 import jax
@@ -203,6 +204,12 @@ def regex(pattern: str, vocab: Vocabulary) -> Constraint:
   """The generated text must match `pattern` as a whole (Rust `regex` syntax, like Python's
   `re` for the common cases: classes, groups, alternation, repetition, `{m,n}`).
 
+  Known limits of the automaton outlines-core builds (0.2): an alternation is leftmost-first,
+  so in `(x|xy)` the longer branch is never produced (put longer alternatives first; `choice`
+  does); with a byte-level vocabulary, a multi-byte character cannot follow a text that is
+  already a whole match (`é{1,2}` only gives "é"). A `\\d` is any Unicode digit: write `[0-9]`.
+  Outputs always match; the language can be smaller than the pattern's.
+
   Examples:
     >>> from jaxdecode import structured
     >>> from jaxdecode.models import ByteTokenizer
@@ -260,6 +267,9 @@ def _compile_schema(text: str, vocab: Vocabulary) -> Constraint:
     pattern = build_regex_from_schema(text)
   except (ValueError, RuntimeError, TypeError) as e:
     raise ValueError(f"json_schema cannot be compiled: {str(e).splitlines()[0][:200]}") from None
+  # outlines-core writes formats such as date with `\d`, which is any Unicode digit in this
+  # regex syntax ("7\u0668\u0665\u0665-11-30" is not a date): JSON formats mean ASCII digits.
+  pattern = re.sub(r"(?<!\\)((?:\\\\)*)\\d", r"\1[0-9]", pattern)
   return _compile_regex(pattern, vocab, "json_schema")
 
 
@@ -297,7 +307,10 @@ def choice(options: Sequence[str], vocab: Vocabulary) -> Constraint:
   if not options or any(not isinstance(o, str) or not o for o in options):
     raise ValueError(f"options must be a non-empty list of non-empty strings; got "
                      f"{options!r:.120}")
-  return _compile_regex("(" + "|".join(_escape(o) for o in options) + ")", _check_vocab(vocab),
+  # Longest first: outlines-core's alternation is leftmost-first, so an option that extends an
+  # earlier one ("yes", "yesterday") would otherwise never be produced.
+  ordered = sorted(dict.fromkeys(options), key=lambda o: -len(o.encode()))
+  return _compile_regex("(" + "|".join(_escape(o) for o in ordered) + ")", _check_vocab(vocab),
                         f"choice {options!r:.80}")
 
 
@@ -408,9 +421,10 @@ def check_token_sets(constraint: Constraint, params, prompts: int, n: int = 1) -
 # Inside the loops (traced).
 
 
-def check(constraint, batch: int, vocab: int, caller: str):
+def check(constraint, batch: int, vocab: int, caller: str, params=None):
   """Validates `constraint=` of a loop (Python, before tracing); returns it broadcast to B rows
-  (or None)."""
+  (or None). With concrete `params`, token sets that leave a row nothing to select at a state it
+  can reach are a ValueError (`check_token_sets`); traced ones make such a step a dead end."""
   if constraint is None:
     return None
   if not isinstance(constraint, Constraint):
@@ -422,6 +436,8 @@ def check(constraint, batch: int, vocab: int, caller: str):
   if constraint.rows not in (1, batch):
     raise ValueError(f"{caller}: the constraint has {constraint.rows} rows (from stack) but the "
                      f"batch has {batch}; stack one entry per row")
+  if params is not None:
+    check_token_sets(constraint, params, batch)
   if constraint.rows == 1 and batch != 1:
     constraint = dataclasses.replace(
         constraint, initial=jnp.broadcast_to(constraint.initial, (batch,)),

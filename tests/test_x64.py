@@ -178,14 +178,14 @@ def test_no_float64_or_int64_array_is_left_inside_the_loops_under_x64():
     programs = {
         "sample": lambda: sampling._sample(key, logits, p, counts),
         "decode": lambda: decoding._decode(step, state, logits, key, p, positions, eos, pad,
-                                           counts, (), max_new_tokens=4, chunk_size=2,
+                                           counts, (), None, max_new_tokens=4, chunk_size=2,
                                            top_logprobs=2, logprobs_mode="raw"),
         "beam_search": lambda: beam._beam_search(
-            step, state, logits, p, positions, eos, pad, counts, jnp.float32(0.7), (),
+            step, state, logits, p, positions, eos, pad, counts, jnp.float32(0.7), (), None,
             axes=(None, 0), beam_size=2, num_return=2, max_new_tokens=4,
             early_stopping="never", chunk_size=2),
         "speculative_decode": lambda: speculative._speculative(
-            cached, cached_state, logits, key, p, positions, eos, pad, counts, (), drafter,
+            cached, cached_state, logits, key, p, positions, eos, pad, counts, (), drafter, None,
             max_new_tokens=4, num_draft_tokens=2, chunk_size=2),
     }
     found = {name: sixty_four_bit_arrays(jax.make_jaxpr(fn)().jaxpr)
