@@ -7,6 +7,7 @@ through, and the code that uses them masks or sanitizes them by a documented rul
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Hashable
 from typing import Any, Sequence
@@ -23,6 +24,12 @@ _LEGACY_KEY_SIZES = {"threefry2x32": 2, "rbg": 4, "unsafe_rbg": 4}
 def is_traced(x) -> bool:
   """True for a value only known under a transformation (a tracer)."""
   return isinstance(x, jax.core.Tracer)
+
+
+def dtype_of(x):
+  """`jnp.result_type(x)`, read directly from a jax array (or tracer), whose dtype is already
+  canonical: the checks run on every eager call, and `result_type` costs ~10 us."""
+  return x.dtype if isinstance(x, jax.Array) else jnp.result_type(x)
 
 
 # A seed becomes `jax.random.key(seed)`, whose key data holds 32 bits without jax's 64-bit mode:
@@ -123,7 +130,7 @@ def logits(value, name: str = "logits") -> tuple[int, int]:
     hint = " For one row use logits[None]." if len(shape) == 1 else (
         " For extra leading axes use jax.vmap." if len(shape) > 2 else "")
     raise ValueError(f"{name} must have shape [B, V] (rank 2); got shape {shape}.{hint}")
-  dtype = jnp.result_type(value)
+  dtype = dtype_of(value)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"{name} must be a floating-point array (float32, bfloat16, float16, ...); "
                      f"got dtype {dtype}")
@@ -221,9 +228,17 @@ def text_prompts(prompts) -> tuple[str, ...]:
   return tuple(prompts)
 
 
+@functools.lru_cache(maxsize=None)  # one entry per PRNG implementation name (a handful)
+def _legacy_key_size(impl: str) -> int:
+  """Words of uint32 data in a legacy key of the implementation `impl` (computed abstractly:
+  no device work, and the answer cannot change, so it is computed once per name)."""
+  data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
+  return data.shape[-1]
+
+
 def key(key, batch_size: int) -> None:
   """Raises ValueError unless `key` is one key or `batch_size` keys, typed or legacy uint32."""
-  shape, dtype = jnp.shape(key), jnp.result_type(key)
+  shape, dtype = jnp.shape(key), dtype_of(key)
   if jnp.issubdtype(dtype, jax.dtypes.prng_key):
     if shape not in ((), (batch_size,)):
       raise ValueError(f"key must be one typed key (shape ()) or one per row (shape "
@@ -232,9 +247,9 @@ def key(key, batch_size: int) -> None:
   if dtype != jnp.uint32:
     raise ValueError(f"key must be a jax.random.key(...) or a legacy uint32 jax.random.PRNGKey; "
                      f"got dtype {dtype} with shape {shape}")
-  key_size = jax.random.key_data(jax.random.key(0)).shape[-1]
+  impl = jax.config.jax_default_prng_impl
+  key_size = _legacy_key_size(impl)
   if shape not in ((key_size,), (batch_size, key_size)):
-    impl = jax.config.jax_default_prng_impl
     other = [name for name, size in _LEGACY_KEY_SIZES.items()
              if name != impl and shape[-1:] == (size,) and len(shape) in (1, 2)]
     hint = (f" (uint32 data of shape {shape} may come from PRNGKey(..., impl="

@@ -79,8 +79,19 @@ def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-def _convert(field: _Field, value) -> jax.Array:
-  """Converts one number field to an int32/float32 array of rank 0 or 1, validating it."""
+def _is_frozen_array(x) -> bool:
+  """A concrete jax array: its values cannot change (unlike a NumPy array's)."""
+  return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+
+# How many checked broadcasts `SamplingParams.broadcast` keeps per params object, one per
+# (batch_size, vocab_size), the oldest dropped first.
+BROADCAST_CACHE_SIZE = 4
+
+
+def _convert(field: _Field, value) -> np.ndarray | jax.Array:
+  """Converts one number field to an int32/float32 array of rank 0 or 1, validating it: a NumPy
+  array for a concrete value (`_place` puts it on the device), a jax array for a traced one."""
   dtype = jnp.int32 if field.integer else jnp.float32
   if isinstance(value, bool) or (hasattr(value, "dtype") and value.dtype == bool):
     raise ValueError(f"{field.name} must be {field.allowed}; got a boolean: {value!r}")
@@ -115,7 +126,19 @@ def _convert(field: _Field, value) -> jax.Array:
                      f"{host[i].item()!r} (in {host.tolist()!r})")
   if not field.integer:
     _check_float32(field.name, host)
-  return jnp.asarray(host, dtype)
+  return host.astype(np.int32 if field.integer else np.float32)
+
+
+def _place(tree):
+  """Every NumPy array of `tree` onto the default device, in one `jax.device_put` call (other
+  leaves, jax arrays and tracers, unchanged). The values are those `jnp.asarray` gives (the host
+  arrays already hold the final dtype), at a fraction of the cost of one call per leaf: this
+  runs for every SamplingParams built. Staged like `jnp.asarray` under a trace."""
+  leaves, treedef = jax.tree.flatten(tree)
+  at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, np.ndarray)]
+  for i, placed in zip(at, jax.device_put([leaves[i] for i in at])):
+    leaves[i] = placed
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def _check_float32(name: str, host: np.ndarray) -> None:
@@ -179,10 +202,11 @@ def _check_id_array(name: str, ids) -> jax.Array:
   return jnp.asarray(ids, jnp.int32)
 
 
-def _convert_ids(name: str, value) -> jax.Array:
-  """banned_token_ids / allowed_token_ids -> int32 [K] or [B, K], padded with -1."""
+def _convert_ids(name: str, value) -> np.ndarray | jax.Array:
+  """banned_token_ids / allowed_token_ids -> int32 [K] or [B, K], padded with -1 (a NumPy array
+  when built here from lists, for `_place`)."""
   if value is None:
-    return jnp.full((_MIN_WIDTH,), -1, jnp.int32)
+    return np.full((_MIN_WIDTH,), -1, np.int32)
   if isinstance(value, (jax.Array, np.ndarray)):
     return _check_id_array(name, value)
   if not _is_sequence(value):
@@ -192,13 +216,13 @@ def _convert_ids(name: str, value) -> jax.Array:
     ids = _id_list(name, items, None)
     out = np.full((_width(len(ids)),), -1, np.int32)
     out[:len(ids)] = ids
-    return jnp.asarray(out)
+    return out
   if all(i is None or _is_sequence(i) for i in items):
     rows = [_id_list(name, [] if r is None else list(r), b) for b, r in enumerate(items)]
     out = np.full((len(rows), _width(max(len(r) for r in rows))), -1, np.int32)
     for b, r in enumerate(rows):
       out[b, :len(r)] = r
-    return jnp.asarray(out)
+    return out
   raise ValueError(f"{name} must be {_IDS_FORMS}; got {value!r}")
 
 
@@ -223,15 +247,16 @@ def _bias_dict(d, row: int | None) -> tuple[list[int], list[float]]:
   return ids, biases
 
 
-def _convert_bias(value) -> tuple[jax.Array, jax.Array]:
-  """logit_bias -> (int32 ids, float32 biases), both [K] or [B, K]; ids padded with -1."""
+def _convert_bias(value) -> tuple[np.ndarray | jax.Array, np.ndarray | jax.Array]:
+  """logit_bias -> (int32 ids, float32 biases), both [K] or [B, K]; ids padded with -1 (NumPy
+  arrays when built here from dicts, for `_place`)."""
   if value is None or isinstance(value, dict) or (isinstance(value, (list, tuple))
                                                    and len(value) == 0):
     ids, biases = _bias_dict(value or None, None)
     out_ids = np.full((_width(len(ids)),), -1, np.int32)
     out_b = np.zeros(out_ids.shape, np.float32)
     out_ids[:len(ids)], out_b[:len(ids)] = ids, biases
-    return jnp.asarray(out_ids), jnp.asarray(out_b)
+    return out_ids, out_b
   if isinstance(value, (list, tuple)) and value and all(d is None or isinstance(d, dict)
                                                         for d in value):
     rows = [_bias_dict(d, b) for b, d in enumerate(value)]
@@ -240,7 +265,7 @@ def _convert_bias(value) -> tuple[jax.Array, jax.Array]:
     out_b = np.zeros(out_ids.shape, np.float32)
     for b, (ids, biases) in enumerate(rows):
       out_ids[b, :len(ids)], out_b[b, :len(ids)] = ids, biases
-    return jnp.asarray(out_ids), jnp.asarray(out_b)
+    return out_ids, out_b
   if isinstance(value, tuple) and len(value) == 2 and not isinstance(value[0], (dict, list)):
     ids = _check_id_array("logit_bias ids", value[0])
     biases = value[1]
@@ -332,13 +357,17 @@ class SamplingParams:
                   frequency_penalty=frequency_penalty, typical_p=typical_p,
                   epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
                   min_new_tokens=min_new_tokens)
-    for field in _FIELDS:
-      object.__setattr__(self, field.name, _convert(field, values[field.name]))
-    object.__setattr__(self, "logit_bias", _convert_bias(logit_bias))
-    object.__setattr__(self, "banned_token_ids", _convert_ids("banned_token_ids",
-                                                              banned_token_ids))
-    object.__setattr__(self, "allowed_token_ids", _convert_ids("allowed_token_ids",
-                                                               allowed_token_ids))
+    converted = {field.name: _convert(field, values[field.name]) for field in _FIELDS}
+    converted["logit_bias"] = _convert_bias(logit_bias)
+    converted["banned_token_ids"] = _convert_ids("banned_token_ids", banned_token_ids)
+    converted["allowed_token_ids"] = _convert_ids("allowed_token_ids", allowed_token_ids)
+    # Every check has passed: now the host arrays go to the device, all in one call.
+    for name, value in _place(converted).items():
+      object.__setattr__(self, name, value)
+    host = [converted[n] for n in _NAMES]
+    if all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(host)):
+      # The values were all given here (no jax array): `_host` is what a transfer back gives.
+      self.__dict__["_host"] = SamplingParams.tree_unflatten(None, _read_only(host))
 
   # Pytree protocol. Unflattening bypasses __init__: JAX rebuilds the object from tracers or
   # from placeholder leaves (e.g. vmap's in_axes), which must not be converted or validated.
@@ -377,7 +406,34 @@ class SamplingParams:
 
     Raises:
       ValueError: if a per-row field's length is not `batch_size`, or a token id is out of range.
+
+    When every leaf is a concrete jax array (always so for params built by the constructor:
+    jax arrays cannot change), the checked, broadcast result is kept on this object for its last
+    `BROADCAST_CACHE_SIZE` pairs `(batch_size, vocab_size)` and returned again: the checks
+    depend on nothing else, so a repeated eager call skips them and the broadcast dispatch.
+    Params holding NumPy arrays (mutable) or tracers are checked and broadcast on every call.
     """
+    children = tuple(getattr(self, n) for n in _NAMES)
+    cache_key = (batch_size, vocab_size)
+    entry = self.__dict__.get("_broadcasts", {}).get(cache_key)
+    if entry is not None:
+      seen, out, out_leaves = entry
+      # The same leaf objects as when it was checked (a field swapped with object.__setattr__
+      # misses), and none of the result's buffers deleted or donated since.
+      if all(a is b for a, b in zip(seen, children)) and \
+          not any(leaf.is_deleted() for leaf in out_leaves):
+        return out
+    out = self._broadcast_checked(batch_size, vocab_size)
+    out_leaves = jax.tree.leaves(out)
+    if self._frozen and all(_is_frozen_array(leaf) for leaf in out_leaves):
+      # Replaced whole (never edited in place), so a concurrent reader sees an old or a new dict.
+      kept = [(k, e) for k, e in self.__dict__.get("_broadcasts", {}).items() if k != cache_key]
+      kept = kept[max(0, len(kept) - BROADCAST_CACHE_SIZE + 1):]
+      self.__dict__["_broadcasts"] = dict(kept + [(cache_key, (children, out, out_leaves))])
+    return out
+
+  def _broadcast_checked(self, batch_size: int, vocab_size: int | None) -> "SamplingParams":
+    """`broadcast` without its cache: every check, then one jitted broadcast."""
     for name in _NUMBER_NAMES:
       shape = jnp.shape(getattr(self, name))
       if shape not in ((), (batch_size,)):
@@ -398,8 +454,19 @@ class SamplingParams:
                            f"{int(ids[ids >= vocab_size][0])}, outside the vocabulary of the "
                            f"logits [0, {vocab_size})")
       _check_allowed_not_all_banned(host.banned_token_ids, host.allowed_token_ids, vocab_size)
-    # One jitted call instead of one dispatch per field: this runs on every sampler call.
-    return _broadcast_leaves(self, batch_size)
+    # One jitted call instead of one dispatch per field.
+    out = _broadcast_leaves(self, batch_size)
+    if host is not None and self._frozen and _is_frozen_array(out.temperature):
+      # The host copy of the result, from this one's without a transfer (the values of frozen
+      # leaves cannot change between the two).
+      out.__dict__["_host"] = _broadcast_host(host, batch_size)
+    return out
+
+  @functools.cached_property
+  def _frozen(self) -> bool:
+    """True when every leaf is a concrete jax array: values that cannot change, so what is
+    derived from them (checks, broadcasts, host copies) can be kept on this object."""
+    return all(_is_frozen_array(leaf) for leaf in jax.tree.leaves(self))
 
   @functools.cached_property
   def _host(self) -> "SamplingParams | None":
@@ -470,15 +537,24 @@ class SamplingParams:
 
   def has_penalty(self) -> bool:
     """True if a concrete penalty is active on some row (the call then needs token counts)."""
-    host = self._host
-    return host is not None and bool(np.any(host.repetition_penalty != 1) or
-                                     np.any(host.presence_penalty != 0) or
-                                     np.any(host.frequency_penalty != 0))
+    return (self._summary if self._frozen else self._summarize())[0]
 
   def largest_min_new_tokens(self) -> int:
     """The largest concrete `min_new_tokens` (0 when none is set or the values are traced)."""
+    return (self._summary if self._frozen else self._summarize())[1]
+
+  @functools.cached_property
+  def _summary(self) -> tuple[bool, int]:
+    """`_summarize()` kept on the object; only read when the leaves cannot change (`_frozen`)."""
+    return self._summarize()
+
+  def _summarize(self) -> tuple[bool, int]:
+    """(has_penalty, largest_min_new_tokens) from the host copy of the leaves."""
     host = self._host
-    return 0 if host is None else int(np.max(host.min_new_tokens))
+    if host is None:
+      return False, 0
+    return (bool(np.any(host.repetition_penalty != 1) or np.any(host.presence_penalty != 0) or
+                 np.any(host.frequency_penalty != 0)), int(np.max(host.min_new_tokens)))
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -490,6 +566,25 @@ def _broadcast_leaves(params: SamplingParams, batch: int) -> SamplingParams:
   return params._with(**number, logit_bias=(rows(ids), rows(biases)),  # pylint: disable=protected-access
                       banned_token_ids=rows(params.banned_token_ids),
                       allowed_token_ids=rows(params.allowed_token_ids))
+
+
+def _read_only(tree):
+  """The NumPy arrays of `tree`, each marked read-only (a host copy is never written)."""
+  def freeze(leaf):
+    leaf.flags.writeable = False
+    return leaf
+  return jax.tree.map(freeze, tree)
+
+
+def _broadcast_host(host: SamplingParams, batch: int) -> SamplingParams:
+  """`_broadcast_leaves` on the host copy, with NumPy (read-only views, no copy)."""
+  def rows(v):
+    return np.broadcast_to(v, (batch, v.shape[-1]))
+  number = {n: np.broadcast_to(getattr(host, n), (batch,)) for n in _NUMBER_NAMES}
+  ids, biases = host.logit_bias
+  return host._with(**number, logit_bias=(rows(ids), rows(biases)),  # pylint: disable=protected-access
+                    banned_token_ids=rows(host.banned_token_ids),
+                    allowed_token_ids=rows(host.allowed_token_ids))
 
 
 def _check_allowed_not_all_banned(banned: np.ndarray, allowed: np.ndarray, vocab: int) -> None:
@@ -552,4 +647,4 @@ _BY_NAME = {f.name: f for f in _FIELDS}
 
 def as_field(name: str, value) -> jax.Array:
   """Converts and validates one value as the SamplingParams field `name` (for the processors)."""
-  return _convert(_BY_NAME[name], value)
+  return _place(_convert(_BY_NAME[name], value))
