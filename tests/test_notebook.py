@@ -128,6 +128,15 @@ def test_speculative_cell_gives_the_same_tokens_with_both_drafters(executed):
                      rf"\d+ model calls for 32 tokens", out)
 
 
+def test_structured_cell_matches_its_regex_schema_and_choices(executed):
+  nb, _ = executed
+  out = _text(_cell(nb, "json_schema=schema"))
+  assert "matches: True" in out
+  assert "is one of the options: True" in out
+  assert re.search(r"json_schema: \{.*\} -> \{'name': .*'year': -?\d+\}|cut by max_new_tokens",
+                   out)
+
+
 def test_sweep_cell_shows_the_plot_and_the_table(executed):
   nb, work = executed
   cell = _cell(nb, "run_sweep(")

@@ -557,13 +557,15 @@ def language(constraint, limit=100_000):
 # strict xfails: they fail loudly once a new outlines-core lifts them.
 # 1. Alternations are leftmost-first: an option that extends an earlier one is never produced:
 #    regex "(x|xy)z?" accepts only "x" and "xz" (`choice` sorts its options longest first).
-PREFIX_OPTIONS = ("outlines-core limit: alternations are leftmost-first (an option that extends another "
+PREFIX_OPTIONS = ("outlines-core limit: alternations are leftmost-first (an option that extends "
+                  "another "
                   "is lost)")
 # 2. With the byte vocabulary, once the text is a whole match, no multi-byte character may
 #    follow: regex "é{1,2}" accepts only "é" (0xC3 is not allowed after it), "[αβγ]{1,3}" only
 #    one letter, ".{1,5}" ASCII after its first character. A vocabulary with a 2-byte "é" token
 #    accepts "éé".
-MULTIBYTE_AFTER_MATCH = ("outlines-core limit: after a whole match, the byte vocabulary cannot start a "
+MULTIBYTE_AFTER_MATCH = ("outlines-core limit: after a whole match, the byte vocabulary cannot "
+                         "start a "
                          "multi-byte character")
 
 
