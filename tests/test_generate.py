@@ -571,3 +571,22 @@ def test_cli_structured_output_matches_with_json_beams_and_a_draft(tiny, capsys,
                          "--draft", "ngram", "--json", "--max-new-tokens", "8")
   text = json.loads(out)["rows"][0]["text"]
   assert code == 0 and re.fullmatch("[0-9]{3}", text)
+
+
+@pytest.mark.slow
+def test_generate_and_stream_take_a_prebuilt_constraint(tiny):
+  model, _ = tiny
+  vocab = TOK.vocabulary()
+  options = ["yes", "no", "maybe"]
+  c = jaxdecode.structured.stack([jaxdecode.structured.choice(options, vocab), None])
+  out = generate(["a", "b"], model=model, constraint=c, max_new_tokens=8, seed=3)
+  assert out.texts[0] in options and out.finished[0]
+  streamed = ["", ""]
+  for chunk in jaxdecode.models.stream(["a", "b"], model=model, constraint=c, max_new_tokens=8,
+                                       seed=3, chunk_size=2):
+    streamed = [s + t for s, t in zip(streamed, chunk.texts)]
+  assert streamed == out.texts
+  with pytest.raises(ValueError, match="not both"):
+    generate(["a"], model=model, constraint=c, choices=options, max_new_tokens=8)
+  with pytest.raises(ValueError, match="2 rows .* the batch has 3"):
+    generate(["a", "b", "c"], model=model, constraint=c, max_new_tokens=8)

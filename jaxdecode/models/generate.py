@@ -121,7 +121,7 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
              num_draft_tokens: int = 4, stop=None, include_stop: bool = False, n: int = 1,
              top_logprobs: int = 0, logprobs_mode: str = "processed",
              prompt_logprobs: bool = False, regex=None, json_schema=None,
-             choices=None) -> Generation:
+             choices=None, constraint=None) -> Generation:
   """Continues each text prompt; all prompts run as one batch.
 
   Args:
@@ -171,6 +171,8 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
       be one of. Give one for every prompt, or a list with one per prompt (`None`: that prompt
       is unconstrained; for `choices`, a list of option lists). A row that ends with EOS is a
       whole match (`finished`); one stopped by `max_new_tokens` holds a prefix of one.
+    constraint: instead of those three, a `jaxdecode.structured` constraint built yourself
+      (one for every row, or `structured.stack` of one per row: prompts · n).
 
   Returns:
     A `Generation`. The same key, prompts and params give the same texts (with or without a
@@ -191,7 +193,7 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
                   num_draft_tokens=num_draft_tokens, stop=stop, include_stop=include_stop, n=n,
                   top_logprobs=top_logprobs, logprobs_mode=logprobs_mode,
                   prompt_logprobs=prompt_logprobs, regex=regex, json_schema=json_schema,
-                  choices=choices)
+                  choices=choices, constraint=constraint)
   tokenizer = batch.tokenizer
   if beam_size is not None:
     return _beam_generation(batch.graphdef, batch.state, batch.logits, batch.lengths,
@@ -264,7 +266,7 @@ class Prepared:
 def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, penalize_prompt,
             beam_size, draft, num_draft_tokens, stop, include_stop, n, top_logprobs,
             logprobs_mode, prompt_logprobs, regex=None, json_schema=None,
-            choices=None) -> Prepared:
+            choices=None, constraint=None) -> Prepared:
   """Checks `generate`'s arguments (all of them, before anything compiles), prefills each
   prompt once and copies its rows n times. Returns a `Prepared`."""
   prompts = _checks.text_prompts(prompts)
@@ -307,8 +309,13 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
   _check_min_new_tokens(params, max_new_tokens)
   if beam_size is not None:
     _checks.beam_size_fits(beam_size, len(prompts), model.config.vocab_size)
-  constraint = _constraint(regex, json_schema, choices, len(prompts), n, tokenizer,
-                           model.config.vocab_size)
+  if constraint is not None:
+    if any(v is not None for v in (regex, json_schema, choices)):
+      raise ValueError("give constraint= or one of regex, json_schema and choices, not both")
+    structured.check(constraint, len(prompts) * n, model.config.vocab_size, "generate")
+  else:
+    constraint = _constraint(regex, json_schema, choices, len(prompts), n, tokenizer,
+                             model.config.vocab_size)
   if constraint is not None:
     structured.check_token_sets(constraint, params, len(prompts), n)
   started = time.perf_counter()

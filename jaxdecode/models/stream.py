@@ -57,7 +57,7 @@ def stream(prompts: Sequence[str], *, model: Transformer | None = None,
            num_draft_tokens: int = 4, stop=None, include_stop: bool = False, n: int = 1,
            top_logprobs: int = 0, logprobs_mode: str = "processed",
            prompt_logprobs: bool = False, chunk_size: int = 16, regex=None, json_schema=None,
-           choices=None) -> Iterator[StreamChunk]:
+           choices=None, constraint=None) -> Iterator[StreamChunk]:
   """Continues each text prompt like `generate`, yielding the text as it is produced.
 
   The arguments are `generate`'s (same keys, same tokens, same texts), plus `chunk_size`.
@@ -99,7 +99,7 @@ def stream(prompts: Sequence[str], *, model: Transformer | None = None,
       tokenizer=tokenizer, penalize_prompt=penalize_prompt, beam_size=None, draft=None,
       num_draft_tokens=num_draft_tokens, stop=stop, include_stop=include_stop, n=n,
       top_logprobs=0, logprobs_mode="processed", prompt_logprobs=False, regex=regex,
-      json_schema=json_schema, choices=choices)
+      json_schema=json_schema, choices=choices, constraint=constraint)
   return _chunks(batch, max_new_tokens, chunk_size)
 
 
