@@ -185,6 +185,14 @@ def _operations(op):
         yield from _operations(inner.operation)
 
 
+def _lowered_operations(fn: Callable, args, platform: str):
+  """Every StableHLO operation of `jax.jit(fn)(*args)` lowered for `platform` (not compiled)."""
+  if platform not in ("cpu", "cuda", "rocm", "tpu"):
+    raise ValueError(f"platform must be 'cpu', 'cuda', 'rocm' or 'tpu'; got {platform!r}")
+  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
+  return _operations(lowered.compiler_ir("stablehlo").operation)
+
+
 def _shape_and_float(value_type) -> tuple[tuple[int, ...], bool]:
   from jax.extend.mlir import ir  # pylint: disable=import-outside-toplevel
   ranked = ir.RankedTensorType(value_type)
@@ -221,12 +229,8 @@ def unordered_sums(fn: Callable, *args, platform: str = "cpu") -> list[str]:
     One line per such op (its name, what it sums, and its source line), empty when the program
     fixes the order of every float sum.
   """
-  if platform not in ("cpu", "cuda", "rocm", "tpu"):
-    raise ValueError(f"platform must be 'cpu', 'cuda', 'rocm' or 'tpu'; got {platform!r}")
-  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
-  module = lowered.compiler_ir("stablehlo")
   found = []
-  for op in _operations(module.operation):
+  for op in _lowered_operations(fn, args, platform):
     name = op.name
     if name not in ("stablehlo.dot_general", "stablehlo.reduce", "stablehlo.reduce_window",
                     "stablehlo.convolution", "stablehlo.scatter"):
@@ -340,12 +344,8 @@ def host_round_trips(fn: Callable, *args, platform: str = "cuda") -> list[str]:
   Returns:
     One line per such op: "case" or "while", and its source line. Empty: no step waits.
   """
-  if platform not in ("cpu", "cuda", "rocm", "tpu"):
-    raise ValueError(f"platform must be 'cpu', 'cuda', 'rocm' or 'tpu'; got {platform!r}")
-  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
-  module = lowered.compiler_ir("stablehlo")
   found = []
-  for op in _operations(module.operation):
+  for op in _lowered_operations(fn, args, platform):
     if op.name == "stablehlo.case":
       if len(op.regions) > 1 and not _is_constant(op.operands[0]):
         found.append(f"case ({len(op.regions)} branches) at {_location(op.location)}")
