@@ -557,15 +557,19 @@ class SamplingParams:
                  np.any(host.frequency_penalty != 0)), int(np.max(host.min_new_tokens)))
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _broadcast_leaves(params: SamplingParams, batch: int) -> SamplingParams:
+def _broadcast_with(xp, params: SamplingParams, batch: int) -> SamplingParams:
+  """Every number field [B], every token field [B, K], with `xp` (jnp on the device, np on a
+  host copy: read-only views, no copy)."""
   def rows(v):  # a token field: [K] or [B, K] -> [B, K]
-    return jnp.broadcast_to(v, (batch, v.shape[-1]))
-  number = {n: jnp.broadcast_to(getattr(params, n), (batch,)) for n in _NUMBER_NAMES}
+    return xp.broadcast_to(v, (batch, v.shape[-1]))
+  number = {n: xp.broadcast_to(getattr(params, n), (batch,)) for n in _NUMBER_NAMES}
   ids, biases = params.logit_bias
   return params._with(**number, logit_bias=(rows(ids), rows(biases)),  # pylint: disable=protected-access
                       banned_token_ids=rows(params.banned_token_ids),
                       allowed_token_ids=rows(params.allowed_token_ids))
+
+
+_broadcast_leaves = jax.jit(functools.partial(_broadcast_with, jnp), static_argnums=1)
 
 
 def _read_only(tree):
@@ -577,14 +581,8 @@ def _read_only(tree):
 
 
 def _broadcast_host(host: SamplingParams, batch: int) -> SamplingParams:
-  """`_broadcast_leaves` on the host copy, with NumPy (read-only views, no copy)."""
-  def rows(v):
-    return np.broadcast_to(v, (batch, v.shape[-1]))
-  number = {n: np.broadcast_to(getattr(host, n), (batch,)) for n in _NUMBER_NAMES}
-  ids, biases = host.logit_bias
-  return host._with(**number, logit_bias=(rows(ids), rows(biases)),  # pylint: disable=protected-access
-                    banned_token_ids=rows(host.banned_token_ids),
-                    allowed_token_ids=rows(host.allowed_token_ids))
+  """`_broadcast_leaves` on the host copy, with NumPy."""
+  return _broadcast_with(np, host, batch)
 
 
 def _check_allowed_not_all_banned(banned: np.ndarray, allowed: np.ndarray, vocab: int) -> None:
