@@ -53,8 +53,8 @@ def test_result_is_valid_json_and_formats_as_a_table(kernel_result):
   text = json.dumps(bench._finite(kernel_result), allow_nan=False)
   back = json.loads(text)
   assert set(back) == {"command", "machine", "settings", "notes", "kernel", "decode", "beam",
-                       "numerics", "speculative", "stream"}
-  assert back["decode"] == back["beam"] == []  # decode=False skips both model tables
+                       "numerics", "speculative", "stream", "structured"}
+  assert back["decode"] == back["beam"] == back["structured"] == []  # decode=False: no model tables
   assert back["settings"]["runs"] == 5 and back["settings"]["seconds"] > 0
   for field in ("platform", "cpu_count", "device_kind", "devices", "jax"):
     assert back["machine"][field]
@@ -217,6 +217,7 @@ def test_main_prints_json_or_a_table(kernel_result, capsys, monkeypatch):
   assert back["command"] == "python -m jaxdecode.bench --quick --json --no-decode --runs 5"
   assert seen["quick"] and seen["runs"] == 5 and not seen["decode"] and not seen["all_peers"]
   assert seen["beam"] is seen["numerics"] is seen["spec"] is seen["stream"] is None
+  assert seen["structured"] is None  # follows --decode, like the other model tables
   ratios = [v for row in back["kernel"] for v in row["ratio"].values()]
   assert ratios and all(_positive_finite(v) for v in ratios)
   assert bench.main(["--quick", "--all-peers"], prog="jaxdecode bench") == 0
@@ -233,6 +234,12 @@ def test_main_prints_json_or_a_table(kernel_result, capsys, monkeypatch):
   assert bench.main(["--quick", "--no-stream"]) == 0
   capsys.readouterr()
   assert seen["stream"] is False
+  assert bench.main(["--no-kernels", "--no-decode", "--structured"]) == 0
+  capsys.readouterr()
+  assert seen["structured"] is True and not seen["decode"]
+  assert bench.main(["--no-structured"]) == 0
+  capsys.readouterr()
+  assert seen["structured"] is False and seen["decode"]
 
 
 def test_decode_table_skips_a_model_whose_context_is_too_short():
@@ -350,3 +357,35 @@ def test_stream_table_on_a_tiny_model():
             "stream": [row], "settings": {"runs": 5, "warmup": 2, "seconds": 1.0,
                                           "max_new_tokens": 20}}
   assert "Streaming: models.stream" in bench.format_table(result)
+
+
+def test_byte_level_decoder_is_a_bijection_onto_the_bytes():
+  table = bench.byte_level_decoder()
+  assert len(table) == 256 and sorted(table.values()) == list(range(256))
+  assert table["A"] == ord("A") and table["\u0120"] == ord(" ")  # GPT-2's "Ġ" is a space
+
+
+@pytest.mark.slow
+def test_structured_table_on_a_tiny_model_and_a_small_bpe_vocabulary():
+  def tiny():
+    return bench.random_model(259, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=128)
+
+  texts = [doc for doc in bench.spec_prompts("fresh", 8)] * 20 + ['{"a": [1, 2.5, "x@y.z"]}']
+  # One constraint keeps it to two decode programs (each constraint compiles its own).
+  rows = bench.structured_table(batches=(2,), runs=5, max_new_tokens=4, vocab_size=400,
+                                model_loader=tiny, vocab_texts=texts, constraints=("json",))
+  decode, compiled = rows
+  assert (decode["kind"], decode["batch"], decode["max_new_tokens"]) == ("decode", 2, 4)
+  assert set(decode["median_s"]) == {"plain", "json"} and set(decode["ratio"]) == {"json_vs_plain"}
+  for value in [*decode["median_s"].values(), *decode["ratio"].values()]:
+    assert _positive_finite(value)
+  assert (compiled["kind"], compiled["constraint"]) == ("compile", "json")
+  assert 256 < compiled["vocab"] <= 400 and compiled["table_bytes"] > 0
+  assert _positive_finite(compiled["compile_s"]) and _positive_finite(compiled["index_s"])
+  result = {"command": "", "machine": bench.machine_info(), "notes": [], "kernel": [],
+            "structured": rows, "settings": {"runs": 5, "warmup": 2, "seconds": 1.0,
+                                             "structured_new_tokens": 4}}
+  table = bench.format_table(result)
+  assert "Structured: jaxdecode.decode with constraint=" in table and "Structured compile" in table
+  assert max(len(line) for line in table.splitlines()) <= 100
+  json.dumps(bench._finite(result), allow_nan=False)

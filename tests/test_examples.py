@@ -127,3 +127,20 @@ def test_constrained_decoding_writes_only_numbers_and_reuses_the_compiled_loop(c
       assert re.fullmatch(r"[0-9]+(\.[0-9]*)?", text), text
   assert all(re.fullmatch(r"[a-z]+", w) for w in result["words"])
   assert "every output is a number" in out and "compiled again: False" in out
+
+
+def test_structured_output_matches_parses_validates_and_picks_a_label(capsys):
+  import json  # pylint: disable=import-outside-toplevel
+  import jsonschema  # pylint: disable=import-outside-toplevel  # a test dependency
+  example = load("structured_output.py")
+  result = example["main"](quick=True)
+  out = capsys.readouterr().out
+  assert result["ok"] and result["finished"]
+  assert all(re.fullmatch(example["DATE"], d) for d in result["dates"]["greedy"])
+  for record in result["records"]["greedy"]:
+    jsonschema.validate(record, example["SCHEMA"])
+    json.dumps(record)
+  assert all(label in example["LABELS"] for label in result["labels"]["greedy"])
+  date, answer, free = result["mixed"]  # one batch, a constraint per prompt (None: free text)
+  assert re.fullmatch(example["DATE"], date) and answer in ("yes", "no") and free
+  assert "matches its regex, parses and validates, or is one of the labels: True" in out

@@ -1,7 +1,8 @@
 """The benchmark suite: every figure is a ratio of two timings taken in the same process.
 
 Run it as `python -m jaxdecode.bench [--quick] [--json] [--runs N] [--no-kernels] [--no-decode]
-[--no-beam] [--no-numerics] [--no-spec] [--no-stream] [--all-peers]` (or `jaxdecode bench`).
+[--no-beam] [--no-numerics] [--no-spec] [--no-stream] [--[no-]structured] [--all-peers]` (or
+`jaxdecode bench`).
 The protocol (docs/architecture.md, "Benchmark protocol"):
 
 - the functions of one table row are timed round-robin, run after run (each run starts at the
@@ -39,19 +40,28 @@ Tables:
    acceptance rate, for the n-gram drafter and the embedded draft model, greedy and top-p 0.9,
    B = 1 and 8, K = 2, 4, 8, on repetitive and on fresh prompts.
 6. Streaming. `models.stream` consumed to the end over `models.generate`, B = 1 and 8.
+7. Structured decoding. `jaxdecode.decode` with `constraint=` over the same decode without one
+   (tokens/s), on the embedded model, top-p 0.9, 32 new tokens, B = 1 and 8, for a JSON schema
+   and a regex (`STRUCTURED_SCHEMA`, `STRUCTURED_REGEX`); and the time to compile each of them
+   from scratch for a 32000-token ByteLevel BPE vocabulary (trained with `tokenizers` on the
+   embedded corpus, `bpe_vocabulary`), outlines-core's share of it, and the tables' size
+   (`constraint.nbytes()`). Without `tokenizers` the compile rows are skipped.
 
 Duration on 2 CPU cores (AMD EPYC), measured: the kernel and control tables about 8 minutes, the
-model tables 22 (decode 1.6, beam 1, numerics 2.5, speculative 16, streaming 1); `--no-kernels`
-runs the model tables alone. `--quick` (B = 8 kernels; numerics at B = 1, 8; speculative at
-B = 1, K = 4; streaming at B = 1; 10 runs) takes roughly 8-10 minutes. Up to twice that when the
-cores are shared. The sort-based peers are slow at large sizes, so by default they are timed
-only where B*V <= `PEER_MAX_ELEMENTS` (B <= 8, and B = 64 with V = 32000); `--all-peers` times
-them everywhere (about 20-30 more minutes).
+model tables 24 (decode 1.6, beam 1, numerics 2.5, speculative 16, streaming 1, structured 2);
+`--no-kernels` runs the model tables alone, `--no-kernels --no-decode --structured` the
+structured table alone (about 2 minutes, with `--quick` too: its compile rows are timed once,
+and half of it is compiling the decode loop). `--quick` (B = 8 kernels; numerics at B = 1, 8;
+speculative at B = 1, K = 4; streaming at B = 1; 10 runs) takes roughly 10-12 minutes. Up to
+twice that when the cores are shared. The sort-based peers are slow at large sizes, so by
+default they are timed only where B*V <= `PEER_MAX_ELEMENTS` (B <= 8, and B = 64 with
+V = 32000); `--all-peers` times them everywhere (about 20-30 more minutes).
 
 From Python: `run_benchmarks(...)` returns every median and ratio as one dict (what `--json`
 prints) and `format_table(result)` renders it (what the README pastes); `kernel_table`,
-`decode_table`, `beam_table`, `numerics_table`, `spec_table`, `time_round_robin` and the sort-based reference `sort_top_p_sample` /
-`sort_top_p_mask` work on their own. `main(argv)` is the command line.
+`decode_table`, `beam_table`, `numerics_table`, `spec_table`, `stream_table`,
+`structured_table`, `bpe_vocabulary`, `time_round_robin` and the sort-based reference
+`sort_top_p_sample` / `sort_top_p_mask` work on their own. `main(argv)` is the command line.
 """
 
 from __future__ import annotations
@@ -852,6 +862,243 @@ def stream_table(*, batches: Sequence[int] = (1, 8), runs: int = RUNS, max_new_t
 
 
 # ---------------------------------------------------------------------------------------------
+# Table 7: structured decoding.
+
+STRUCTURED_NEW_TOKENS = 32  # every structured row, quick or not
+STRUCTURED_BATCHES = (1, 8)
+STRUCTURED_VOCAB = 32000  # the compile rows' BPE vocabulary
+# A realistic schema: an object of typed properties, an enum and an array. Its shortest match is
+# longer than STRUCTURED_NEW_TOKENS bytes, so a constrained row never reaches an accepting state
+# in the decode rows (every row runs every step, as the unconstrained one does).
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer"},
+        "email": {"type": "string", "format": "email"},
+        "score": {"type": "number"},
+        "active": {"type": "boolean"},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4},
+    },
+    "required": ["name", "age", "email", "score", "active", "role", "tags"],
+}
+# A log line (shortest match 35 bytes).
+STRUCTURED_REGEX = (r"[0-9]{4}-[01][0-9]-[0-3][0-9] [0-2][0-9]:[0-5][0-9]:[0-5][0-9] "
+                    r"(INFO|WARNING|ERROR) [a-z_]+\.py:[0-9]+: [A-Z][a-z ]+\.")
+BPE_EOS = "<|endoftext|>"
+
+
+def byte_level_decoder() -> dict[str, int]:
+  """The inverse of the byte-to-unicode table of ByteLevel BPE (GPT-2's `bytes_to_unicode`):
+  each of the 256 characters a ByteLevel token is spelled with -> the byte it stands for.
+  Printable bytes stand for themselves; the 68 others are shifted to U+0100 and up."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+               *range(ord("®"), ord("ÿ") + 1)]
+  chars, shifted = dict(zip(printable, printable)), 0
+  for b in range(256):
+    if b not in chars:
+      chars[b] = 256 + shifted
+      shifted += 1
+  return {chr(c): b for b, c in chars.items()}
+
+
+def bpe_vocabulary(vocab_size: int = STRUCTURED_VOCAB, texts: Sequence[str] | None = None):
+  """A ByteLevel BPE vocabulary trained with the `tokenizers` package, as a
+  `jaxdecode.structured.Vocabulary`.
+
+  Args:
+    vocab_size: the vocabulary's size (the 256 bytes, the merges and one special token).
+    texts: the training text (default: the embedded model's corpus, the standard library's
+      `.py` files and the pydoc topics; about 6 s on 2 cores for 32000 tokens).
+
+  Returns:
+    `(vocabulary, tokenizer)`: each token's bytes (its ByteLevel characters mapped back through
+    `byte_level_decoder`), the special token `<|endoftext|>` as None and the EOS id; and the
+    trained `tokenizers.Tokenizer`.
+
+  Raises:
+    ImportError: `tokenizers` is not installed.
+  """
+  # pylint: disable-next=import-outside-toplevel
+  from tokenizers import Tokenizer, models as bpe_models, pre_tokenizers, trainers
+  from jaxdecode import structured  # pylint: disable=import-outside-toplevel
+  if texts is None:
+    from jaxdecode.models import corpus  # pylint: disable=import-outside-toplevel
+    texts = [doc.decode("utf-8") for _, doc in
+             corpus.pydoc_documents() + corpus.stdlib_documents()]
+  tokenizer = Tokenizer(bpe_models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=[BPE_EOS], show_progress=False,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  to_byte = byte_level_decoder()
+  tokens = [None] * tokenizer.get_vocab_size()
+  for text, i in tokenizer.get_vocab().items():
+    tokens[i] = None if text == BPE_EOS else bytes(to_byte[ch] for ch in text)
+  sample = 'def f(x):\n\treturn {"caf\u00e9": [1, 2.5]}  # \u00fc \u2192 \U0001f600\n'
+  ids = tokenizer.encode(sample).ids
+  if b"".join(tokens[i] for i in ids) != sample.encode("utf-8"):
+    raise AssertionError("the BPE tokens' bytes do not spell the text they encode")
+  return structured.Vocabulary(tokens, [tokenizer.token_to_id(BPE_EOS)]), tokenizer
+
+
+def structured_decode_row(model, *, batch: int, runs: int = RUNS,
+                          max_new_tokens: int = STRUCTURED_NEW_TOKENS,
+                          schema: Mapping = STRUCTURED_SCHEMA, pattern: str = STRUCTURED_REGEX,
+                          constraints: Sequence[str] = ("json", "regex"), seed: int = 0) -> dict:
+  """Constrained over unconstrained `jaxdecode.decode` tokens/s on one prefill.
+
+  Three functions run round-robin, each one full `decode` call with top-p 0.9 and no EOS (every
+  row runs all `max_new_tokens` steps): without a constraint ("plain"), with the JSON schema's
+  constraint and with the regex's, built for the model's byte vocabulary
+  (`ByteTokenizer().vocabulary()`). Each of the three is its own compiled program.
+
+  Args:
+    model: a `jaxdecode.models.Transformer` over the byte vocabulary (259 tokens).
+    batch: B (the prompts are `spec_prompts("fresh", B)`).
+    runs: timed runs.
+    max_new_tokens: N.
+    schema, pattern: the JSON schema and the regex.
+    constraints: which of "json" and "regex" to time against "plain".
+    seed: seed of the sampling key.
+
+  Returns:
+    A dict with `batch`, `max_new_tokens`, `runs`, `vocab`, `median_s` (plain, json, regex),
+    `tokens_per_s` (the same), `table_shape` (json, regex: the padded `[S, C]` of each
+    constraint), `table_bytes` (json, regex) and `ratio`: `json_vs_plain` and `regex_vs_plain`
+    (constrained tokens/s over unconstrained tokens/s; 1.00 = a constraint costs nothing).
+  """
+  from jaxdecode import structured  # pylint: disable=import-outside-toplevel
+  from jaxdecode.models import ByteTokenizer  # pylint: disable=import-outside-toplevel
+  tok = ByteTokenizer()
+  vocabulary = tok.vocabulary()
+  build = {"json": lambda: structured.json_schema(dict(schema), vocabulary),
+           "regex": lambda: structured.regex(pattern, vocabulary)}
+  constraints = {name: build[name]() for name in constraints}
+  ids = [tok.encode(p) for p in spec_prompts("fresh", batch)]
+  width = bucket_length(max(len(i) for i in ids))
+  if width + max_new_tokens > model.config.max_len:
+    raise ValueError(f"prompt width {width} + max_new_tokens {max_new_tokens} exceeds the "
+                     f"model's max_len {model.config.max_len}")
+  tokens, lengths = jaxdecode.right_pad(ids, pad_id=tok.PAD, width=width)
+  graphdef, weights = nnx.split(model)
+  logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=width + max_new_tokens)
+  step_fn = _bench_step_fn(graphdef)
+  key = jax.random.key(seed)
+  params = SamplingParams(top_p=TOP_P)
+
+  def run(constraint=None):
+    return jaxdecode.decode(step_fn, state, logits, key=key, params=params,
+                            max_new_tokens=max_new_tokens, positions=lengths, pad_id=tok.PAD,
+                            constraint=constraint).tokens
+
+  medians = _medians(time_round_robin({
+      "plain": run, **{name: (lambda c=c: run(c)) for name, c in constraints.items()}}, runs))
+  new_tokens = batch * max_new_tokens
+  return {
+      "kind": "decode", "batch": batch, "max_new_tokens": max_new_tokens, "runs": runs,
+      "vocab": model.config.vocab_size, "median_s": medians,
+      "tokens_per_s": {name: new_tokens / t for name, t in medians.items()},
+      "table_shape": {name: list(c.next_state.shape) for name, c in constraints.items()},
+      "table_bytes": {name: c.nbytes() for name, c in constraints.items()},
+      "ratio": {f"{name}_vs_plain": medians["plain"] / medians[name] for name in constraints},
+  }
+
+
+def structured_compile_row(vocabulary, name: str, spec, *, vocab_seconds: float | None = None
+                           ) -> dict:
+  """The time to compile one constraint for `vocabulary` (from scratch: jaxdecode's cache of
+  compiled constraints is cleared first) and the size of its tables.
+
+  Also timed on its own: outlines-core's `Index` of the same regex over the same tokens (its
+  share of the compile; the rest is reading its transitions and packing the device tables).
+
+  Args:
+    vocabulary: a `jaxdecode.structured.Vocabulary` (e.g. from `bpe_vocabulary`).
+    name: "json" (`spec` is a JSON schema) or "regex" (`spec` is a pattern).
+    spec: the schema or the pattern.
+    vocab_seconds: how long building `vocabulary` took (recorded as is).
+
+  Returns:
+    A dict with `kind` "compile", `constraint` (name), `vocab`, `compile_s`, `index_s`,
+    `vocab_s`, `regex_chars` (the regex's length), `table_shape` (the padded `[S, C]` of
+    `next_state`) and `table_bytes` (`constraint.nbytes()`).
+  """
+  # pylint: disable=import-outside-toplevel
+  from outlines_core import Index, Vocabulary as OutlinesVocabulary
+  from outlines_core.json_schema import build_regex_from_schema
+  from jaxdecode import structured
+  # pylint: enable=import-outside-toplevel
+  pattern = build_regex_from_schema(json.dumps(spec)) if name == "json" else spec
+  for cached in (getattr(structured, "_compile_schema", None),
+                 getattr(structured, "_compile_regex", None)):
+    if hasattr(cached, "cache_clear"):
+      cached.cache_clear()  # measure a compile, not a cache hit
+  build = structured.json_schema if name == "json" else structured.regex
+  start = time.perf_counter()
+  constraint = jax.block_until_ready(build(spec, vocabulary))
+  compile_s = time.perf_counter() - start
+  groups: dict[bytes, list[int]] = {}
+  for i, token in enumerate(vocabulary.tokens):
+    if token is not None and i not in vocabulary.eos_ids:
+      groups.setdefault(token, []).append(i)
+  start = time.perf_counter()
+  Index(pattern, OutlinesVocabulary(vocabulary.eos_ids[0], groups))
+  index_s = time.perf_counter() - start
+  return {"kind": "compile", "constraint": name, "vocab": len(vocabulary),
+          "compile_s": compile_s, "index_s": index_s, "vocab_s": vocab_seconds,
+          "regex_chars": len(pattern), "table_shape": list(constraint.next_state.shape),
+          "table_bytes": constraint.nbytes()}
+
+
+def structured_table(*, batches: Sequence[int] = STRUCTURED_BATCHES, runs: int = RUNS,
+                     max_new_tokens: int = STRUCTURED_NEW_TOKENS,
+                     vocab_size: int | None = STRUCTURED_VOCAB,
+                     model_loader: Callable[[], Any] | None = None,
+                     vocab_texts: Sequence[str] | None = None,
+                     constraints: Sequence[str] = ("json", "regex"),
+                     progress: Callable[[str], None] | None = None) -> list[dict]:
+  """`structured_decode_row` for each batch size on the embedded model (or `model_loader()`),
+  then `structured_compile_row` for the JSON schema and the regex over a `vocab_size`-token
+  ByteLevel BPE vocabulary (`bpe_vocabulary(vocab_size, vocab_texts)`; None: no compile rows).
+  `constraints`: which of "json" and "regex" (both by default). A part that cannot run is a
+  row `{"kind", "skipped"}` (no model; `tokenizers` missing)."""
+  rows = []
+  try:
+    model = (model_loader or _default_model)()
+  except Exception as e:  # pylint: disable=broad-except  # no model: the compile rows only
+    rows.append({"kind": "decode", "batch": "-", "skipped": f"{type(e).__name__}: {e}"})
+    model = None
+  for batch in batches if model is not None else ():
+    started = time.perf_counter()
+    rows.append(structured_decode_row(model, batch=batch, runs=runs,
+                                      max_new_tokens=max_new_tokens, constraints=constraints))
+    if progress:
+      progress(f"structured decode B={batch}: {time.perf_counter() - started:.0f} s")
+  if vocab_size is None:
+    return rows
+  started = time.perf_counter()
+  try:
+    vocabulary, _ = bpe_vocabulary(vocab_size, vocab_texts)
+  except ImportError as e:
+    rows.append({"kind": "compile", "constraint": "json, regex",
+                 "skipped": f"the BPE vocabulary needs the tokenizers package (pip install "
+                            f"tokenizers): {e}"})
+    return rows
+  vocab_s = time.perf_counter() - started
+  specs = {"json": STRUCTURED_SCHEMA, "regex": STRUCTURED_REGEX}
+  for name in constraints:
+    spec = specs[name]
+    started = time.perf_counter()
+    rows.append(structured_compile_row(vocabulary, name, spec, vocab_seconds=vocab_s))
+    if progress:
+      progress(f"structured compile {name} V={len(vocabulary)}: "
+               f"{time.perf_counter() - started:.0f} s")
+  return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # The whole run, and its output.
 
 
@@ -880,7 +1127,8 @@ def machine_info() -> dict:
 def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool = True,
                    kernels: bool = True, beam: bool | None = None,
                    numerics: bool | None = None, spec: bool | None = None,
-                   stream: bool | None = None, all_peers: bool = False,
+                   stream: bool | None = None, structured: bool | None = None,
+                   all_peers: bool = False,
                    batches: Sequence[int] | None = None,
                    vocabs: Sequence[int] | None = None, shapes: Sequence[str] = SHAPES,
                    decode_models: Sequence[tuple[str, Callable[[], Any]]] | None = None,
@@ -898,6 +1146,7 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
     numerics: include the numerics table (default: likewise).
     spec: include the speculative-decoding table (default: likewise).
     stream: include the streaming table (default: likewise).
+    structured: include the structured-decoding table (default: likewise).
     all_peers: time the sort-based peers at every size.
     batches: the kernel table's B values (default: by `quick`).
     vocabs: the kernel table's V values (default: by `quick`).
@@ -911,8 +1160,9 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
 
   Returns:
     `{"command", "machine", "settings", "notes", "kernel", "decode", "beam", "numerics",
-    "speculative"}` (lists of the rows of `kernel_table`, `decode_table`, `beam_table`,
-    `numerics_table` and `spec_table`), `settings["seconds"]` the total duration.
+    "speculative", "stream", "structured"}` (lists of the rows of `kernel_table`,
+    `decode_table`, `beam_table`, `numerics_table`, `spec_table`, `stream_table` and
+    `structured_table`), `settings["seconds"]` the total duration.
   """
   runs = runs or (QUICK_RUNS if quick else RUNS)
   started = time.perf_counter()
@@ -960,13 +1210,27 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
                     max_new_tokens=max_new_tokens or (32 if quick else 64))
     stream_rows = stream_table(batches=settings["stream_batches"], runs=runs,
                                max_new_tokens=settings["max_new_tokens"], progress=progress)
+  structured_rows = []
+  if decode if structured is None else structured:
+    # The same sizes with --quick: the compile rows are timed once either way.
+    settings.update(structured_batches=list(STRUCTURED_BATCHES),
+                    structured_new_tokens=STRUCTURED_NEW_TOKENS,
+                    structured_vocab=STRUCTURED_VOCAB)
+    structured_rows = structured_table(batches=settings["structured_batches"], runs=runs,
+                                       max_new_tokens=STRUCTURED_NEW_TOKENS,
+                                       vocab_size=STRUCTURED_VOCAB, progress=progress)
   settings["seconds"] = time.perf_counter() - started
   return {"command": command, "machine": machine_info(), "settings": settings, "notes": notes,
           "kernel": kernel, "decode": decode_rows, "beam": beam_rows, "numerics": numerics_rows,
-          "speculative": spec_rows, "stream": stream_rows}
+          "speculative": spec_rows, "stream": stream_rows, "structured": structured_rows}
 
 
 _WIDTH = 100  # the width of the legend lines
+
+
+def _ms(seconds: float | None) -> str:
+  """Seconds as milliseconds with 1 decimal; '-' when missing."""
+  return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def _fmt(value: float | None) -> str:
@@ -1132,6 +1396,44 @@ def format_table(result: Mapping) -> str:
                         f"{_fmt(r['stream_vs_generate']):>15}"),
         "stream/generate: time of a stream consumed to the end over generate's (1.00 = "
         "streaming is free); both include the prefill and the text decoding.")
+  structured_rows = result.get("structured") or []
+  decode_rows = [row for row in structured_rows if row.get("kind") == "decode"]
+  compile_rows = [row for row in structured_rows if row.get("kind") == "compile"]
+  if decode_rows:
+    new = s.get("structured_new_tokens", STRUCTURED_NEW_TOKENS)
+    lines += _section(
+        textwrap.wrap(f"Structured: jaxdecode.decode with constraint= vs without, embedded "
+                      f"model, top-p 0.9, {new} new tokens, no EOS", _WIDTH),
+        f"{'B':>3} {'plain ms':>8} {'json ms':>8} {'regex ms':>8} {'json/plain tok/s':>16} "
+        f"{'regex/plain tok/s':>17} {'json table':>10}",
+        decode_rows, lambda row: f"{row['batch']:>3}",
+        lambda row, r: (f"{row['batch']:>3} {_ms(row['median_s'].get('plain')):>8} "
+                        f"{_ms(row['median_s'].get('json')):>8} "
+                        f"{_ms(row['median_s'].get('regex')):>8} "
+                        f"{_fmt(r.get('json_vs_plain')):>16} {_fmt(r.get('regex_vs_plain')):>17} "
+                        f"{'x'.join(map(str, row['table_shape'].get('json', ['-']))):>10}"),
+        "json/plain, regex/plain: constrained tokens/s over unconstrained tokens/s on the same "
+        "prefill (1.00 = the constraint is free; goal >= 0.95, floor 0.8). json: an object of "
+        "7 typed properties (strings, integer, number, boolean, an enum, an array of strings); "
+        "regex: a log line; both longer than the window, so every row runs every step. json "
+        "table: the padded [states, token classes] of the byte vocabulary's constraint.")
+  if compile_rows:
+    lines += _section(
+        textwrap.wrap("Structured compile: from scratch (cache cleared), for a ByteLevel BPE "
+                      "vocabulary trained with tokenizers on the embedded corpus", _WIDTH),
+        f"{'constraint':<10} {'V':>6} {'regex chars':>11} {'compile s':>9} {'index s':>7} "
+        f"{'table':>10} {'table MB':>8}",
+        compile_rows, lambda row: f"{row['constraint']:<10}",
+        lambda row, r: (f"{row['constraint']:<10} {row['vocab']:>6} {row['regex_chars']:>11} "
+                        f"{row['compile_s']:>9.2f} {row['index_s']:>7.2f} "
+                        f"{'x'.join(map(str, row['table_shape'])):>10} "
+                        f"{row['table_bytes'] / 2**20:>8.2f}"),
+        "compile s: structured.json_schema / structured.regex (goal <= 5 s, floor 20 s); index "
+        "s: outlines-core's Index of the same regex alone (its share; the rest reads its "
+        "transitions and packs the device tables); table: next_state's padded [states, token "
+        "classes]; table MB: constraint.nbytes() (goal <= 64 MB). The vocabulary took "
+        + (f"{compile_rows[0]['vocab_s']:.1f} s to train."
+           if compile_rows[0].get("vocab_s") is not None else "- s to train."))
   for note in result["notes"]:
     lines += textwrap.wrap(f"note: {note}", _WIDTH, subsequent_indent="  ")
   return "\n".join(lines).strip("\n") + "\n"
@@ -1156,7 +1458,7 @@ def build_parser(prog: str = "python -m jaxdecode.bench") -> argparse.ArgumentPa
   parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help=f"smaller grid (B=8, V in 32000/128256; 32 new tokens), {QUICK_RUNS} "
-                           f"runs by default: roughly 8-10 minutes (the default run: about 30)")
+                           f"runs by default: roughly 10-12 minutes (the default run: about 32)")
   parser.add_argument("--json", action="store_true",
                       help="print one JSON object with every median (seconds) and ratio")
   parser.add_argument("--out", default=None, metavar="FILE",
@@ -1174,6 +1476,11 @@ def build_parser(prog: str = "python -m jaxdecode.bench") -> argparse.ArgumentPa
   parser.add_argument("--no-spec", action="store_true",
                       help="skip the speculative-decoding table")
   parser.add_argument("--no-stream", action="store_true", help="skip the streaming table")
+  parser.add_argument("--structured", action=argparse.BooleanOptionalAction, default=None,
+                      help="include (or, with --no-structured, skip) the structured-decoding "
+                           "table; by default it follows --decode like the other model tables "
+                           "(on unless --no-decode), so --no-kernels --no-decode --structured "
+                           "runs it alone (about 2 minutes, --quick too)")
   parser.add_argument("--all-peers", action="store_true",
                       help=f"time the sort-based peers also where B*V > {PEER_MAX_ELEMENTS} "
                            f"(20-30 minutes more)")
@@ -1216,7 +1523,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jaxdecode.
                           beam=False if args.no_beam else None,
                           numerics=False if args.no_numerics else None,
                           spec=False if args.no_spec else None,
-                          stream=False if args.no_stream else None, all_peers=args.all_peers,
+                          stream=False if args.no_stream else None,
+                          structured=args.structured, all_peers=args.all_peers,
                           command=f"{prog} {shlex.join(argv)}".strip(), progress=progress)
   text = json.dumps(_finite(result), indent=1, sort_keys=False, allow_nan=False)
   if args.out is not None:
