@@ -909,34 +909,25 @@ def test_under_jit_traced_bans_that_remove_every_allowed_token_make_a_dead_end()
 
 @pytest.mark.slow
 def test_generate_on_the_embedded_model_follows_per_prompt_constraints(model):
+  """One batch (one compile): regexes, a JSON schema and a free row, greedy and sampled."""
   from jaxdecode.models import generate
-  prompts = ["The date is ", "Is it raining? ", "Hello", "Temperature: "]
+  prompts = ["The date is ", "Is it raining? ", "Hello", "Temperature: ", "A user record: "]
   regexes = [r"[0-9]{4}-[0-9]{2}-[0-9]{2}", r"(yes|no)", None, r"-?[0-9]{1,2}\.[0-9] ?C"]
-  params = SamplingParams(temperature=np.array([0.0, 1.0, 1.5, 1.5], np.float32),
-                          top_p=np.array([1.0, 0.9, 1.0, 1.0], np.float32))
-  out = generate(prompts, model=model, regex=regexes, params=params, max_new_tokens=24, seed=5)
+  schema = SCHEMAS[2]
+  constraint = structured.stack([None if r is None else structured.regex(r, VOCAB)
+                                 for r in regexes] + [structured.json_schema(schema, VOCAB)])
+  params = SamplingParams(temperature=np.array([0.0, 1.0, 1.5, 1.5, 1.5], np.float32),
+                          top_p=np.array([1.0, 0.9, 1.0, 1.0, 1.0], np.float32))
+  out = generate(prompts, model=model, constraint=constraint, params=params, max_new_tokens=40,
+                 seed=5)
   for b, pattern in enumerate(regexes):
     if pattern is None:
       continue
     assert out.finished[b], (pattern, out.texts[b])
     assert re.fullmatch(pattern, out.texts[b]), (pattern, out.texts[b])
   assert not re.fullmatch(regexes[0], out.texts[2])  # the unconstrained row is free text
-
-
-@pytest.mark.slow
-def test_generate_json_schema_per_prompt_with_n_samples_on_the_embedded_model(model):
-  from jaxdecode.models import generate
-  prompts = ["A user record: ", "Free text: "]
-  schema = SCHEMAS[2]
-  out = generate(prompts, model=model, json_schema=[json.dumps(schema), None], n=2,
-                 max_new_tokens=40, params=SamplingParams(temperature=1.5), seed=1)
-  for text, finished in zip(out.texts[:2], out.finished[:2]):  # prompt 0's two samples
-    assert finished, text
-    jsonschema.validate(json.loads(text), schema)
-  assert out.texts[0] != out.texts[1] or out.texts[2] != out.texts[3]  # samples differ
-  for text in out.texts[2:]:  # prompt 1 is unconstrained
-    with pytest.raises(json.JSONDecodeError):
-      json.loads(text)
+  assert out.finished[4], out.texts[4]
+  jsonschema.validate(json.loads(out.texts[4]), schema)
 
 
 def test_concrete_bans_that_empty_a_constraint_are_refused_by_every_loop():
