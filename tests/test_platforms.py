@@ -197,6 +197,7 @@ def test_the_sampling_chain_is_the_same_in_both_formulations():
   _same(branches, straight)
 
 
+@pytest.mark.slow  # the fast loop keeps the sampling chain's equality
 def test_decode_is_the_same_in_both_formulations(tiny):
   _, _, step_fn, state, logits, _ = tiny
   # 17 steps in chunks of 8: the tail chunk runs on CPU; a GPU peels step 0 and has none.
