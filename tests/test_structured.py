@@ -258,6 +258,7 @@ def test_outputs_match_their_constraint_whole_when_finished_and_as_a_prefix_when
 
 # `format: date`: outlines-core writes `\d` (any Unicode digit in Rust's syntax); the schema
 # compiler turns it into [0-9], so dates are ASCII (the regex still admits 2023-02-31).
+@pytest.mark.slow  # the shared batch: one large decode compile
 def test_format_date_outputs_are_dates(batch):
   out = batch["out"]
   rows = [r for r, row, kind, spec in rows_of(batch, "schema")
@@ -276,6 +277,7 @@ def test_a_date_format_allows_only_ascii_digits():
   assert set(allowed.tolist()) == set(b"0123456789"), bytes(allowed.tolist())
 
 
+@pytest.mark.slow  # the shared batch: one large decode compile
 def test_sampled_rows_differ_from_greedy_and_use_the_freedom_the_constraint_leaves(batch):
   """The settings matter: for free patterns, sampled texts are not all the greedy text."""
   out = batch["out"]
@@ -287,6 +289,7 @@ def test_sampled_rows_differ_from_greedy_and_use_the_freedom_the_constraint_leav
   assert differ >= len(texts) // 2
 
 
+@pytest.mark.slow  # the shared batch: one large decode compile
 def test_a_language_longer_than_max_new_tokens_never_finishes_and_holds_a_prefix(batch):
   out = batch["out"]
   rows = [r for r, row, kind, spec in rows_of(batch, "regex") if spec == r"q{70,}"]
@@ -296,6 +299,7 @@ def test_a_language_longer_than_max_new_tokens_never_finishes_and_holds_a_prefix
     assert bytes(out["tokens"][r].tolist()) == b"q" * N
 
 
+@pytest.mark.slow  # the shared batch: one large decode compile
 def test_a_single_option_is_forced_token_by_token_then_eos(batch):
   out = batch["out"]
   rows = [r for r, row, kind, spec in rows_of(batch, "choice") if spec == ["ab"]]
@@ -306,6 +310,7 @@ def test_a_single_option_is_forced_token_by_token_then_eos(batch):
     np.testing.assert_array_equal(out["logprobs"][r][:3], [0.0, 0.0, 0.0])
 
 
+@pytest.mark.slow  # the shared batch: one large decode compile
 def test_special_tokens_never_appear_and_eos_only_ends_rows(batch):
   out = batch["out"]
   for r, row in enumerate(batch["rows"]):
@@ -320,6 +325,7 @@ def test_special_tokens_never_appear_and_eos_only_ends_rows(batch):
     np.testing.assert_array_equal(out["tokens"][r][length:], PAD)
 
 
+@pytest.mark.slow  # the shared batch: one large decode compile
 def test_unconstrained_rows_in_the_stack_are_free(batch):
   """A None row of a stack is not constrained: over N tokens of random logits its text uses
   bytes that no one pattern of the batch would allow together."""
@@ -330,6 +336,7 @@ def test_unconstrained_rows_in_the_stack_are_free(batch):
       assert len(set(tokens.tolist())) > 20
 
 
+@pytest.mark.slow  # the shared batch: one large decode compile
 def test_bans_that_remove_every_allowed_token_make_the_row_a_dead_end(batch):
   """choice(["ab"]) with 'b' banned: 'a' is forced, then nothing is selectable."""
   out = batch["out"]
@@ -356,6 +363,7 @@ def masked_law(logits, allowed, temperature, top_p):
   return probs / probs.sum()
 
 
+@pytest.mark.slow  # the shared batch: one large decode compile
 @pytest.mark.parametrize("group", range(len(CHI_SETTINGS)))
 def test_the_first_step_law_is_the_masked_renormalized_softmax_chi_square(batch, group):
   """The constraint masks first: the law is the masked softmax, renormalized, then processed
@@ -383,6 +391,7 @@ def test_the_first_step_law_is_the_masked_renormalized_softmax_chi_square(batch,
   np.testing.assert_allclose(logprobs, np.log(expected[draws]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the shared batch: one large decode compile
 def test_the_chi_rows_then_complete_their_match(batch):
   out = batch["out"]
   first = batch["first_chi"]
@@ -440,6 +449,7 @@ def test_each_row_of_the_stack_is_its_output_alone_bit_for_bit(batch, kind, spec
     assert len(set(out["tokens"][r].tolist())) > 20
 
 
+@pytest.mark.slow  # the shared batch: one large decode compile
 def test_a_new_regex_with_the_same_padded_shapes_does_not_recompile_decode(batch):
   first = constraint_of("regex", ALONE[0][1])
   key = batch["keys"][:1]
@@ -455,6 +465,7 @@ def test_a_new_regex_with_the_same_padded_shapes_does_not_recompile_decode(batch
   assert bool(out.finished[0])
 
 
+@pytest.mark.slow  # the shared batch: one large decode compile
 def test_one_option_alone_gives_exactly_it_then_eos(batch):
   """choice(["ab"]) alone (the table sizes above: the same program), at temperature 1.5."""
   for i in range(3):
@@ -469,6 +480,7 @@ def test_one_option_alone_gives_exactly_it_then_eos(batch):
 # Speculative decoding and beam search.
 
 
+@pytest.mark.slow  # the shared batch: one large decode compile
 def test_speculative_decoding_with_the_stacked_constraint_equals_decode_bit_for_bit(batch):
   """speculative_decode (prompt-lookup drafts) over the batch's rows but the chi-square ones,
   with the same per-row keys, equals the rows of the shared decode bit for bit."""
