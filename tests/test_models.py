@@ -396,3 +396,20 @@ def test_tokenizer_decode_rejects_bad_ids(ids, message):
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0
+
+
+def test_load_default_and_load_draft_hand_out_modules_of_their_own():
+  """Training or assigning into the model you got changes nothing for the next caller: the
+  weights are cached, never the module (nor the metadata dict)."""
+  from jaxdecode import models
+  for load in (lambda: models.load_default()[0], models.load_draft):
+    mine = load()
+    param = next(v for _, v in nnx.iter_graph(mine) if isinstance(v, nnx.Param))
+    before = np.asarray(param[...]).copy()
+    param[...] = param[...] * 0 + 7.0  # in place, as an optimizer update is
+    fresh = next(v for _, v in nnx.iter_graph(load()) if isinstance(v, nnx.Param))
+    np.testing.assert_array_equal(np.asarray(fresh[...]), before)
+    assert float(np.asarray(param[...]).ravel()[0]) == 7.0
+  meta = models.default_metadata()
+  meta["tampered"] = True
+  assert "tampered" not in models.default_metadata()

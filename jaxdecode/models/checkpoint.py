@@ -163,8 +163,23 @@ def load_checkpoint(path: str, *, batch_invariant: bool = True):
 
 
 @functools.lru_cache(maxsize=4)
+def _read_embedded(path: str, batch_invariant: bool):
+  """An embedded checkpoint, read once: the module (only ever cloned, never handed out) and
+  the metadata as JSON text."""
+  model, metadata = load_checkpoint(path, batch_invariant=batch_invariant)
+  return model, json.dumps(metadata)
+
+
 def _load_embedded(path: str, batch_invariant: bool):
-  return load_checkpoint(path, batch_invariant=batch_invariant)
+  """`(model, metadata)`: a module and a metadata dict of the caller's own on every call.
+
+  The file is read once; the weights are cached, never the module: a caller who trains or
+  assigns into the model it got changes nothing for the next caller (`generate()` without
+  `model=`, the audit, another `load_default()`).
+  """
+  model, metadata = _read_embedded(path, batch_invariant)
+  # nnx.clone: new modules and variables over the same immutable arrays (no copy of weights).
+  return nnx.clone(model), json.loads(metadata)
 
 
 def _load_default(batch_invariant: bool):
