@@ -59,6 +59,43 @@ def integer(name: str, value, *, low: int | None = None, high: int | None = None
   return value
 
 
+MAX_NEW_TOKENS = 2**30  # positions + steps stay inside int32, with room for the prompt
+
+
+def host_memory_bytes() -> int:
+  """The memory of the default device: its `bytes_limit` where the backend reports one (GPU,
+  TPU), else this machine's physical memory (CPU)."""
+  try:
+    stats = jax.devices()[0].memory_stats() or {}
+  except Exception:  # pylint: disable=broad-except  # a backend without memory_stats
+    stats = {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  try:
+    import os  # pylint: disable=import-outside-toplevel
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):  # not a POSIX system: no foreseeable bound
+    return 2**62
+
+
+def max_new_tokens(value, rows: int, *, bytes_per_token: int = 8, caller: str = "decode") -> int:
+  """`max_new_tokens` of a loop: an int in [1, 2**30] whose output buffers (`rows` rows of
+  `bytes_per_token` bytes per token: tokens and log-probabilities) fit the device's memory.
+
+  Refused before anything is allocated, with the estimate: a loop's outputs are [B, N] arrays
+  created up front, so N = 10**8 would otherwise try to allocate them and fail (or swap) late.
+  """
+  value = integer("max_new_tokens", value, low=1, high=MAX_NEW_TOKENS)
+  need = rows * value * bytes_per_token
+  memory = host_memory_bytes()
+  if need > memory // 2:
+    raise ValueError(f"{caller}: max_new_tokens={value} needs output buffers of {rows} rows x "
+                     f"{value} tokens x {bytes_per_token} bytes = {need / 2**30:.1f} GiB, more "
+                     f"than half of the device's {memory / 2**30:.1f} GiB; ask for fewer tokens "
+                     f"(or decode in several calls)")
+  return value
+
+
 def boolean(name: str, value) -> bool:
   if not isinstance(value, (bool, np.bool_)):
     raise ValueError(f"{name} must be True or False; got {value!r}")

@@ -519,7 +519,7 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
   beam_size, num_return, length_penalty = _checks.beam_options(beam_size, num_return,
                                                                length_penalty)
   _checks.beam_size_fits(beam_size, batch, vocab)
-  max_new_tokens = _checks.integer("max_new_tokens", max_new_tokens, low=1)
+  max_new_tokens = _checks.max_new_tokens(max_new_tokens, batch * beam_size, caller="beam_search")
   chunk_size = _checks.integer("chunk_size", chunk_size, low=1)
   early_stopping = _checks.early_stopping(early_stopping)
   params = SamplingParams() if params is None else params
@@ -531,7 +531,8 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
   axes = leaf_axes(state_axes, state, batch)
   decoding.check_fits(step_fn, state, positions, max_new_tokens, "beam_search")
-  constraint = structured.check(constraint, batch, vocab, "beam_search", params)
+  constraint = structured.check(constraint, batch, vocab, "beam_search", params,
+                                eos_ids=eos_ids)
   return _beam_search_jit(step_fn, state, jnp.asarray(logits), params, positions, eos, pad,
                           counts, length_penalty, loop.as_processors(logits_processors),
                           constraint,

@@ -111,10 +111,16 @@ def check_fits(step_fn, state, positions, max_new_tokens: int, caller: str) -> N
   feed the model positions p .. p + N - 2, so the state must hold p + N - 1 positions. (Past
   them a model has no valid logits; a row that meets logits with nothing selectable would stop
   there, a dead end.) Traced positions are not checked."""
-  limit = position_limit(step_fn, state)
-  if limit is None or _checks.is_traced(positions):
+  if _checks.is_traced(positions):
     return
   need = np.asarray(positions, np.int64) + max_new_tokens - 1
+  if need.size and need.max() > np.iinfo(np.int32).max:
+    raise ValueError(f"{caller}: positions up to {int(np.max(positions))} plus "
+                     f"max_new_tokens={max_new_tokens} pass int32's largest position "
+                     f"({np.iinfo(np.int32).max}); ask for fewer tokens")
+  limit = position_limit(step_fn, state)
+  if limit is None:
+    return
   if need.size == 0 or need.max() <= limit:
     return
   row = int(np.argmax(need))
@@ -332,9 +338,11 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
   batch, vocab = _checks.logits(logits)
   if not callable(step_fn):
     raise ValueError(f"step_fn must be callable; got {type(step_fn).__name__}")
-  max_new_tokens = _checks.integer("max_new_tokens", max_new_tokens, low=1)
-  chunk_size = _checks.integer("chunk_size", chunk_size, low=1)
   top_logprobs = _checks.top_logprobs(top_logprobs, vocab)
+  # Per row and token: the token and its log-probability, and the top-K lists.
+  max_new_tokens = _checks.max_new_tokens(max_new_tokens, batch, caller="decode",
+                                          bytes_per_token=8 + 8 * top_logprobs)
+  chunk_size = _checks.integer("chunk_size", chunk_size, low=1)
   logprobs_mode = _checks.logprobs_mode(logprobs_mode)
   eos = _checks.token_ids("eos_ids", eos_ids, vocab, many=True)
   params, counts = processors.check_call(logits, params, counts, caller="decode", loop=True,
@@ -346,7 +354,7 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
   counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
   positions = _checks.row_integers("positions", positions, batch, "one per row of the logits")
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
-  constraint = structured.check(constraint, batch, vocab, "decode", params)
+  constraint = structured.check(constraint, batch, vocab, "decode", params, eos_ids=eos_ids)
   check_fits(step_fn, state, positions, max_new_tokens, "decode")
   return _decode_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad, counts,
                      loop.as_processors(logits_processors), constraint,

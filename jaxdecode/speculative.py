@@ -286,7 +286,7 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
   batch, vocab = _checks.logits(logits)
   if not callable(step_fn):
     raise ValueError(f"step_fn must be callable; got {type(step_fn).__name__}")
-  max_new_tokens = _checks.integer("max_new_tokens", max_new_tokens, low=1)
+  max_new_tokens = _checks.max_new_tokens(max_new_tokens, batch, caller="speculative_decode")
   num_draft_tokens = _checks.integer("num_draft_tokens", num_draft_tokens, low=1, high=64)
   chunk_size = _checks.integer("chunk_size", chunk_size, low=1)
   if not callable(getattr(drafter, "propose", None)):
@@ -299,7 +299,8 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
   counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
   positions = _checks.row_integers("positions", positions, batch, "one per row of the logits")
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
-  constraint = structured.check(constraint, batch, vocab, "speculative_decode", params)
+  constraint = structured.check(constraint, batch, vocab, "speculative_decode", params,
+                                eos_ids=eos_ids)
   check_fits(step_fn, state, positions, max_new_tokens, "speculative_decode")
   return _speculative_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad,
                           counts, loop.as_processors(logits_processors), drafter, constraint,

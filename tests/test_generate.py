@@ -494,6 +494,12 @@ def test_cli_draft_prints_the_same_text_and_the_acceptance(tiny, capsys):
     (["generate", "x", "--regex", "(", "--max-new-tokens", "8"], "regex '(' cannot be compiled"),
     (["generate", "x", "--regex", "a", "--choice", "b"], "not allowed with argument"),
     (["generate", "x", "--json-schema", "/no/such.json"], "does not exist"),
+    (["generate", "x", "--choice", "yes", "--choice", "no", "--stop", "e", "--max-new-tokens",
+      "8"],
+     "stop strings cannot be combined with a constraint"),
+    (["generate", "x", "--regex", "ab", "--min-new-tokens", "5", "--max-new-tokens", "8"],
+     "min_new_tokens=5 but every text of its constraint ends after at most 2 tokens"),
+    (["generate", "x", "--regex", "a(?=b)", "--max-new-tokens", "8"], "uses a lookaround"),
 ])
 def test_cli_user_mistakes_give_one_line_and_exit_2(tiny, capsys, argv, fragment):
   _, path = tiny
@@ -590,3 +596,29 @@ def test_generate_and_stream_take_a_prebuilt_constraint(tiny):
     generate(["a"], model=model, constraint=c, choices=options, max_new_tokens=8)
   with pytest.raises(ValueError, match="2 rows .* the batch has 3"):
     generate(["a", "b", "c"], model=model, constraint=c, max_new_tokens=8)
+
+
+def test_a_dead_end_is_reported_by_generate_and_the_command_with_status_3(tiny, capsys):
+  """min_new_tokens=3 against a constraint with a 2-token text: a row that takes it can only
+  stop at a dead end (its EOS is masked, nothing else is allowed). The first greedy call learns
+  which of "b" / "c" the model prefers after "a"; the constraint then makes that one end the
+  text, so the row dead-ends for sure: flagged in Generation, in --json and on stderr."""
+  model, path = tiny
+  first = generate(["x"], model=model, regex="a(b|c)", params=jaxdecode.SamplingParams(0.0),
+                   max_new_tokens=4)
+  short = first.texts[0][1]
+  other = "c" if short == "b" else "b"
+  pattern = f"a({short}|{other}defg)"
+  out = generate(["x"], model=model, regex=pattern,
+                 params=jaxdecode.SamplingParams(0.0, min_new_tokens=3), max_new_tokens=8)
+  assert out.texts == ["a" + short] and out.dead_end.tolist() == [True]
+  assert out.finished.tolist() == [False]
+  code, text, err = run_cli(capsys, "generate", "x", "--model", path, "--regex", pattern,
+                            "--greedy", "--min-new-tokens", "3", "--max-new-tokens", "8", "--json")
+  row = json.loads(text)["rows"][0]
+  assert code == 3 and row["dead_end"] is True and row["finished"] is False
+  assert row["text"] == "a" + short
+  assert "1 row(s) stopped at a dead end (prompt 1)" in err
+  code, text, err = run_cli(capsys, "generate", "x", "--model", path, "--regex", pattern,
+                            "--greedy", "--max-new-tokens", "8", "--json")
+  assert code == 0 and json.loads(text)["rows"][0]["dead_end"] is False and not err

@@ -150,7 +150,8 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
       of them in its new text (the earliest-ending one), its later tokens become PAD and it
       counts as finished. The cut is made on the decoded text after the loop: the model still
       computes the row's tokens up to EOS or `max_new_tokens` (`stream` stops early instead,
-      once every row has ended).
+      once every row has ended). Not with a constraint (a constrained row ends only where
+      its text is a whole match: write the end into the pattern).
     include_stop: whether the text keeps the stop string (by default it ends before it; the
       stop string's tokens are kept in `tokens` either way).
     n: samples per prompt (>= 1). Rows are prompt-major; with n > 1, sample i of prompt b is
@@ -170,7 +171,10 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
       schema (a dict or a JSON string) it must validate against, or a list of strings it must
       be one of. Give one for every prompt, or a list with one per prompt (`None`: that prompt
       is unconstrained; for `choices`, a list of option lists). A row that ends with EOS is a
-      whole match (`finished`); one stopped by `max_new_tokens` holds a prefix of one.
+      whole match (`finished`); one stopped by `max_new_tokens` holds a prefix of one, and
+      one stopped at a dead end (`dead_end`, e.g. a `min_new_tokens` longer than the text it
+      took) holds a whole match that is not `finished`. Not with `stop`. A `min_new_tokens`
+      longer than every text of the constraint is refused.
     constraint: instead of those three, a `jaxdecode.structured` constraint built yourself
       (one for every row, or `structured.stack` of one per row: prompts · n).
 
@@ -317,7 +321,11 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
     constraint = _constraint(regex, json_schema, choices, len(prompts), n, tokenizer,
                              model.config.vocab_size)
   if constraint is not None:
+    if stop:
+      raise ValueError(_STOP_WITH_CONSTRAINT)
+    structured.check_eos(constraint, [tokenizer.EOS], "generate")
     structured.check_token_sets(constraint, params, len(prompts), n)
+    structured.check_min_new_tokens(constraint, params, len(prompts), n)
   started = time.perf_counter()
   tokens, lengths = right_pad(ids, pad_id=tokenizer.PAD, width=width)
   graphdef, weights = nnx.split(model)
@@ -346,6 +354,13 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
   return Prepared(tokenizer, graphdef, ids, tokens, lengths, width, room, logits, state, key,
                   params, counts, started, n, stop, include_stop, top_logprobs, logprobs_mode,
                   prompt_lp, constraint)
+
+
+_STOP_WITH_CONSTRAINT = (
+    "stop strings cannot be combined with a constraint (regex, json_schema, choices or "
+    "constraint=): a constrained row ends only where its text is a whole match (with EOS), and "
+    "a stop string would end it inside one; write where the text ends into the pattern instead "
+    "(e.g. regex='[^.]*\\.' ends at the first period)")
 
 
 def _constraint(regex, json_schema, choices, prompts: int, n: int, tokenizer, vocab: int):

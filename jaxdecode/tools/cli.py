@@ -1,7 +1,8 @@
 """The `jaxdecode` command: generate, eval, train, audit, bench, sweep, doctor.
 
 A user's mistake (a bad flag, value, file or output path) gets a one-line error and exit status
-2, never a traceback; paths are checked before any long work starts. SIGTERM and Ctrl-C stop
+2, never a traceback; `generate` exits with status 3 after printing its output when a row
+stopped at a dead end (nothing selectable: its text is cut short, see `Generation.dead_end`); paths are checked before any long work starts. SIGTERM and Ctrl-C stop
 the command cleanly: files being written are left as they were (see `jaxdecode._files`).
 """
 
@@ -223,7 +224,7 @@ def _generate(args) -> None:
     out = models.generate(args.prompts, **options, **extra)
   if args.json:
     print(_json_report(args, out, dict(options, **extra, params=None, model=None), settings=params))
-    return
+    return _report_dead_ends(args, out)
   for i, prompt in enumerate([] if streaming else args.prompts):
     if beams is None:
       for j in range(args.n):
@@ -262,6 +263,25 @@ def _generate(args) -> None:
   print(f"--- {settings}{'' if beams else f' seed={args.seed}'} | {len(args.prompts)} prompt(s), "
         f"{int(out.lengths.sum())} new tokens in {out.seconds:.2f} s "
         f"({out.tokens_per_second:.0f} tokens/s, compilation included)")
+  return _report_dead_ends(args, out)
+
+
+DEAD_END = 3  # generate's exit status when a row stopped at a dead end
+
+
+def _report_dead_ends(args, out) -> int:
+  """A note on stderr and exit status 3 when a row (a prompt with --beams) stopped at a step
+  with nothing selectable; 0 otherwise."""
+  dead = np.flatnonzero(np.asarray(out.dead_end).reshape(-1))
+  if not dead.size:
+    return 0
+  per = 1 if args.beams is not None else args.n
+  names = ", ".join(f"prompt {r // per + 1}" + (f" sample {r % per + 1}" if per > 1 else "")
+                    for r in dead.tolist()[:10]) + (" ..." if dead.size > 10 else "")
+  print(f"jaxdecode generate: {dead.size} row(s) stopped at a dead end ({names}): a step left "
+        f"nothing to select (e.g. a constraint that allows only EOS before --min-new-tokens); "
+        f"their text is cut short and not finished", file=sys.stderr)
+  return DEAD_END
 
 
 def _print_stream(prompts, n: int, options: dict):
@@ -337,7 +357,7 @@ def _json_report(args, out, options: dict, settings: SamplingParams) -> str:
     length = int(out.lengths[r])
     row = dict(prompt=r // args.n, sample=r % args.n, text=text,
                tokens=out.tokens[r, :length].tolist(), logprobs=_finite(out.logprobs[r, :length]),
-               finished=bool(out.finished[r]))
+               finished=bool(out.finished[r]), dead_end=bool(out.dead_end[r]))
     if out.top_tokens is not None:
       row["top"] = [dict(tokens=out.top_tokens[r, t].tolist(),
                          logprobs=_finite(out.top_logprobs[r, t])) for t in range(length)]
