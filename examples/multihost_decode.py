@@ -5,8 +5,9 @@ Run N processes on this machine (CPU devices, connected by JAX's CPU collectives
       "The for statement" "def f(x):" "import"
 Process 0 prints the line that `jaxdecode generate --json --no-stream --seed 0
 --max-new-tokens 32 PROMPT...` prints, with the same rows bit for bit (only "seconds", the
-wall-clock time, differs). When a process fails, the launcher names it and its exit status (or
-signal) on stderr, stops the others and exits non-zero.
+wall-clock time, differs). N is at most the number of prompts and at most 16. When a process
+fails, the launcher names it and its exit status (or signal) on stderr, stops the others and
+exits non-zero.
 
 On a multi-host TPU slice, run the same command on every host (one process per host) with
 `--cluster` in place of `--processes N`:
@@ -43,6 +44,7 @@ from jaxdecode.tools import cli
 from jaxdecode.tools._args import OneLineParser, positive_int, seed
 
 PROG = "multihost_decode.py"
+MAX_PROCESSES = 16  # --processes on one machine: each process holds the model (about 650 MB)
 
 
 def decode_across_processes(model, tokenizer, prompts: list, params: jaxdecode.SamplingParams,
@@ -109,7 +111,9 @@ def parse(argv) -> argparse.Namespace:
   parser.add_argument("prompts", nargs="+", metavar="PROMPT")
   where = parser.add_mutually_exclusive_group(required=True)
   where.add_argument("--processes", type=positive_int, metavar="N",
-                     help="start N processes on this machine")
+                     help=f"start N processes on this machine, at most one per prompt (each "
+                          f"prefills its own block of rows) and at most {MAX_PROCESSES} (each is a "
+                          f"JAX runtime with its own copy of the model, about 650 MB)")
   where.add_argument("--cluster", action="store_true",
                      help="be one process of a job started on every host of a TPU slice (or "
                           "another cluster that jax.distributed.initialize() detects)")
@@ -122,6 +126,14 @@ def parse(argv) -> argparse.Namespace:
   for i, prompt in enumerate(args.prompts):
     if not prompt.strip():
       parser.error(f"prompt {i + 1} is empty; give some text to continue")
+  if args.processes is not None and args.processes > MAX_PROCESSES:
+    parser.error(f"argument --processes: at most {MAX_PROCESSES} processes on one machine, got "
+                 f"{args.processes} (each holds a copy of the model; a larger job runs one "
+                 f"process per host with --cluster)")
+  if args.processes is not None and args.processes > len(args.prompts):
+    parser.error(f"argument --processes: {args.processes} processes for {len(args.prompts)} "
+                 f"prompt(s); give at most one process per prompt (a process without one would "
+                 f"decode only padding)")
   return args
 
 

@@ -60,6 +60,9 @@ def test_two_processes_print_the_lines_of_jaxdecode_generate(capsys):
     (["--processes", "2", "--seed", "-1", "x"], "expected a seed in [0, 2**32), got -1"),
     (["--processes", "2", "--max-new-tokens", "0", "x"], "expected a positive integer"),
     (["--processes", "2", "x", " "], "prompt 2 is empty"),
+    (["--processes", "3", "x", "y"], "3 processes for 2 prompt(s); give at most one process per "
+                                     "prompt"),
+    (["--processes", "17", *"abcdefghijklmnopq"], "at most 16 processes on one machine, got 17"),
 ])
 def test_a_bad_command_line_is_one_line_and_status_2(argv, message, capsys):
   main = runpy.run_path(EXAMPLE)["main"]
@@ -77,6 +80,11 @@ def test_a_prompt_past_the_context_is_reported_once_by_process_0():
   assert code == 2 and out == ""
   assert err.splitlines() == ["multihost_decode.py: error: a prompt of 500 bytes plus "
                               "--max-new-tokens 20 does not fit the model's context of 512 tokens"]
+
+
+def test_the_largest_process_count_is_accepted():
+  args = runpy.run_path(EXAMPLE)["parse"](["--processes", "16", *"abcdefghijklmnop"])
+  assert args.processes == 16 and len(args.prompts) == 16
 
 
 def test_a_failed_process_is_named_with_its_status_and_the_others_are_stopped(capfd):
