@@ -5,7 +5,9 @@ Run N processes on this machine (CPU devices, connected by JAX's CPU collectives
       "The for statement" "def f(x):" "import"
 Process 0 prints the line that `jaxdecode generate --json --no-stream --seed 0
 --max-new-tokens 32 PROMPT...` prints, with the same rows bit for bit (only "seconds", the
-wall-clock time, differs).
+wall-clock time, differs). N is at most the number of prompts and at most 16. When a process
+fails, the launcher names it and its exit status (or signal) on stderr, stops the others and
+exits non-zero.
 
 On a multi-host TPU slice, run the same command on every host (one process per host) with
 `--cluster` in place of `--processes N`:
@@ -24,6 +26,7 @@ batch to a multiple of the device count changes no real row.
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +44,7 @@ from jaxdecode.tools import cli
 from jaxdecode.tools._args import OneLineParser, positive_int, seed
 
 PROG = "multihost_decode.py"
+MAX_PROCESSES = 16  # --processes on one machine: each process holds the model (about 650 MB)
 
 
 def decode_across_processes(model, tokenizer, prompts: list, params: jaxdecode.SamplingParams,
@@ -107,7 +111,9 @@ def parse(argv) -> argparse.Namespace:
   parser.add_argument("prompts", nargs="+", metavar="PROMPT")
   where = parser.add_mutually_exclusive_group(required=True)
   where.add_argument("--processes", type=positive_int, metavar="N",
-                     help="start N processes on this machine")
+                     help=f"start N processes on this machine, at most one per prompt (each "
+                          f"prefills its own block of rows) and at most {MAX_PROCESSES} (each is a "
+                          f"JAX runtime with its own copy of the model, about 650 MB)")
   where.add_argument("--cluster", action="store_true",
                      help="be one process of a job started on every host of a TPU slice (or "
                           "another cluster that jax.distributed.initialize() detects)")
@@ -120,12 +126,41 @@ def parse(argv) -> argparse.Namespace:
   for i, prompt in enumerate(args.prompts):
     if not prompt.strip():
       parser.error(f"prompt {i + 1} is empty; give some text to continue")
+  if args.processes is not None and args.processes > MAX_PROCESSES:
+    parser.error(f"argument --processes: at most {MAX_PROCESSES} processes on one machine, got "
+                 f"{args.processes} (each holds a copy of the model; a larger job runs one "
+                 f"process per host with --cluster)")
+  if args.processes is not None and args.processes > len(args.prompts):
+    parser.error(f"argument --processes: {args.processes} processes for {len(args.prompts)} "
+                 f"prompt(s); give at most one process per prompt (a process without one would "
+                 f"decode only padding)")
   return args
+
+
+def describe(status: int) -> str:
+  """How a process ended, from its `subprocess` status (minus the signal's number if killed)."""
+  if status >= 0:
+    return f"exited with status {status}"
+  try:
+    name = f" ({signal.Signals(-status).name})"
+  except ValueError:
+    name = ""
+  return f"was killed by signal {-status}{name}"
+
+
+REFUSED = 2  # a process's status when the job refused its input: process 0 has said why
+GRACE_S = 30.0  # how long the others get to refuse it too (they make the same check, no waiting)
 
 
 def start_processes(argv: list, n: int) -> int:
   """Runs this script as processes 0..n-1 of one job, with process 0 as the coordinator.
-  Returns 0, or the exit status of the first process that fails (the others are stopped)."""
+
+  Returns 0 when every process succeeds. When one fails, the others are stopped, a line on
+  stderr names the process and how it ended, and the result is its exit status (128 + the
+  signal's number when a signal killed it). Status 2 is the exception: every process refused
+  the job (a prompt too long) and process 0 has printed why in one line; the others get time to
+  end on their own, so that process 0's line is not cut off, and nothing is added to it.
+  """
   with socket.socket() as s:  # a free port for the coordinator
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
@@ -133,15 +168,29 @@ def start_processes(argv: list, n: int) -> int:
                              "--coordinator", f"localhost:{port}", *argv],
                             stdout=None if i == 0 else subprocess.DEVNULL)
            for i in range(n)]
+  failed = None  # the index of the first process seen failing
   try:
-    while None in (codes := [p.poll() for p in procs]) and not any(codes):
+    while failed is None and None in (codes := [p.poll() for p in procs]):
+      failed = next((i for i, code in enumerate(codes) if code), None)
       time.sleep(0.05)
+    if failed is None:
+      failed = next((i for i, p in enumerate(procs) if p.returncode), None)
+    if failed is not None and procs[failed].returncode == REFUSED:
+      deadline = time.monotonic() + GRACE_S
+      while None in [p.poll() for p in procs] and time.monotonic() < deadline:
+        time.sleep(0.05)
   finally:
     for p in procs:
       p.kill()
       p.wait()
-  failed = [code for code in codes if code]
-  return (failed[0] if failed[0] > 0 else 1) if failed else 0
+  if failed is None:
+    return 0
+  status = procs[failed].returncode
+  if status == REFUSED and procs[0].returncode == REFUSED:
+    return REFUSED
+  print(f"{PROG}: error: process {failed} of {n} {describe(status)}; the others were stopped",
+        file=sys.stderr, flush=True)
+  return status if status > 0 else 128 - status
 
 
 def main(argv=None) -> int:

@@ -84,21 +84,47 @@ def _largest_threshold_by_digits(keys: jax.Array, weights, target: jax.Array) ->
   rounding is monotone), so "the largest t with reached(t) >= target" has one answer, whichever
   way it is searched. Each pass fixes 4 bits: the largest digit d (0..15) whose pivot
   `t | d << shift` still reaches the target. A pass reads the row once for all 15 pivots, which
-  suits a GPU (bound by memory and launches, not by compares).
+  suits a GPU (bound by memory and launches, not by compares); `_pivot_sums` keeps its scratch
+  to [B, 15, L] lanes, not [B, 15, V].
   """
-  batch, vocab = keys.shape
+  batch = keys.shape[0]
   digits = jnp.arange(1, 1 << DIGIT_BITS, dtype=jnp.uint32)  # [D]
 
   def body(i, t):
     shift = jnp.asarray(32 - DIGIT_BITS * (i + 1), jnp.uint32)
-    pivots = t[:, None] | (digits[None, :] << shift)  # [B, D]
-    masked = jnp.where(keys[:, None, :] >= pivots[:, :, None], weights if jnp.ndim(weights) == 0
-                       else weights[:, None, :], jnp.float32(0))  # [B, D, V]
-    reached = _reduce.row_sum(masked.reshape(-1, vocab)).reshape(batch, -1)  # [B, D]
+    pivots = t[:, None] | (digits[None, :] << shift)  # [B, D], every pivot >= 1
+    reached = _pivot_sums(keys, weights, pivots)  # [B, D]
     best = jnp.max(jnp.where(reached >= target[:, None], digits, jnp.uint32(0)), axis=1)
     return t | (best << shift)
 
   return lax.fori_loop(0, 32 // DIGIT_BITS, body, jnp.zeros((batch,), jnp.uint32))
+
+
+def _pivot_sums(keys: jax.Array, weights, pivots: jax.Array) -> jax.Array:
+  """[B, D]: `row_sum(where(keys >= pivots[:, d, None], weights, 0))` for every d, bit for bit.
+
+  `_reduce.row_sum`'s order of additions, written lane chunk by lane chunk: chunk c of every
+  pivot's masked row, [B, D, L], is formed from keys[:, cL:(c+1)L] and added to the running lane
+  sums, chunk 0 first, then the lanes go through the same pairwise tree. So the [B, D, V] masked
+  rows never exist as one array (at [33, 200000] they were 396 MB of scratch); the chain fuses
+  into one pass over the row. Past V the chunk is +0.0, as row_sum's padding is (and as a key
+  there would give: every pivot is >= 1 > any padding key).
+  """
+  vocab = keys.shape[1]
+  lanes = _reduce.lanes_for(vocab)
+  scalar = jnp.ndim(weights) == 0
+
+  def chunk(start):
+    stop = min(start + lanes, vocab)
+    k = keys[:, None, start:stop]
+    w = weights if scalar else weights[:, None, start:stop]
+    masked = jnp.where(k >= pivots[:, :, None], w, jnp.float32(0))
+    return jnp.pad(masked, ((0, 0), (0, 0), (0, start + lanes - stop)))
+
+  acc = chunk(0)
+  for start in range(lanes, vocab, lanes):
+    acc = acc + chunk(start)
+  return _reduce.tree_sum(acc, axis=2)
 
 
 def unnormalized_probs(x: jax.Array):
