@@ -35,10 +35,12 @@ constraints are cached per (kind, pattern, vocabulary).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
 import json
+import os
 import re
 from typing import Sequence
 
@@ -148,7 +150,7 @@ MAX_STATES = 200_000
 MAX_WORK = 3 * 10**9
 MAX_REGEX_CHARS = 10**6  # a JSON schema's regex (nested arrays double it per level)
 # The worker compiles _MARK (?:pattern) _END: see `_byte_dfa`.
-_MARK, _END = "\n", "\x03"
+_MARK, _END = "\n", "\uffff"  # U+FFFF: a noncharacter, bytes EF BF BF
 _WORKER = None
 
 
@@ -206,11 +208,11 @@ def _byte_dfa(pattern: str, what: str):
 
   outlines-core builds it over the 256 single bytes, for `(?:pattern) _END` and, in a second
   process at the same time, for `_MARK (?:pattern) _END`; the first to finish is read:
-  - `_END` (the byte 0x03): outlines-core drops moves out of a state where the text is a whole
-    match (a lone lead byte of a multi-byte character, so a byte-level vocabulary could not
-    spell "é" there, or the longer branch of `(x|xy)`). With `_END` after the pattern, a state
-    of the pattern is a match only after a 0x03 in the text; it accepts where `_END` leads to
-    a match.
+  - `_END` (U+FFFF, a noncharacter): outlines-core drops moves out of a state where the text
+    is a whole match (a lone lead byte of a multi-byte character, so a byte-level vocabulary
+    could not spell "é" there, or the longer branch of `(x|xy)`). With `_END` after the
+    pattern, a state of the pattern is a match only after a U+FFFF in the text; it accepts
+    where `_END` leads to a match.
   - `_MARK` (a newline): outlines-core also builds the unanchored DFA, which can be
     exponentially larger: for `"(a|\\"){0,20}"` every quote inside the string could start
     another match, each with its own count (4 GB at 20). Behind a first byte that the text
@@ -243,12 +245,11 @@ def _byte_dfa(pattern: str, what: str):
   delta[number(moves[:, 0]), moves[:, 1]] = number(moves[:, 2])
   final = np.zeros(names.size, bool)
   final[number(finals)] = True
-  end = ord(_END)
-  accepting = (delta[:, end] >= 0) & final[np.maximum(delta[:, end], 0)]
-  # A state after _END with no move is the end itself, not text; one with moves also continues
-  # the pattern (a text that holds the byte _END), and stays.
-  ends = final & np.all(delta < 0, axis=1)
-  delta[(delta >= 0) & ends[np.maximum(delta, 0)]] = NOT_ALLOWED
+  after = np.arange(names.size)
+  for byte in _END.encode("utf-8"):  # where _END leads from each state
+    after = np.where(after >= 0, delta[np.maximum(after, 0), byte], NOT_ALLOWED)
+  accepting = (after >= 0) & final[np.maximum(after, 0)]
+  # The states that only spell _END reach no accepting state: the token automaton drops them.
   initial = int(delta[number(start), ord(_MARK)]) if which == 0 else int(number(start))
   if initial < 0:
     raise ValueError(f"{what} matches no text that this vocabulary's tokens can spell (its "
@@ -318,16 +319,20 @@ def _token_automaton(initial: int, accepting: np.ndarray, delta: np.ndarray,
                      f"prefixes: a walk of {states * trie.size:.2g} steps, more than the budget of "
                      f"{MAX_WORK:.2g} (structured.MAX_WORK)")
   weights = np.random.default_rng(0).integers(1, 2**63, size=(2, states + 1), dtype=np.uint64)
-  hashes = np.zeros((2, len(vocab)), np.uint64)
-  block = max(1, min(states, (1 << 23) // max(len(vocab), 1)))  # ~32 MB of int32 per block
-  column = np.empty((block, len(vocab)), np.int32)
-  for s0 in range(0, states, block):
+  block = max(1, min(states, (1 << 22) // max(len(vocab), 1)))  # ~16 MB of int32 per block
+
+  def hash_block(s0: int) -> np.ndarray:
+    """[2, V]: sum over the block's states of weight[state] * (next + 1), wrapping."""
     rows = np.arange(s0, min(states, s0 + block))
-    out = column[:rows.size]
-    out[:] = states  # special tokens and EOS: no move here
+    out = np.full((rows.size, len(vocab)), states, np.int32)  # specials and EOS: no move
     trie.walk(sink, byte_class, rows, out)
-    for h in range(2):  # sum over states of weight[state] * (next + 1), wrapping
-      hashes[h] += weights[h, rows] @ (out.astype(np.uint64) + np.uint64(1))
+    out = out.astype(np.uint64) + np.uint64(1)
+    return np.stack([weights[h, rows] @ out for h in range(2)])
+
+  # numpy's gathers release the GIL: blocks run on every core, and wrapping sums commute.
+  workers = min(4, os.cpu_count() or 1, -(-states // block))
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    hashes = functools.reduce(np.add, pool.map(hash_block, range(0, states, block)))
   special = ~ordinary
   eos = np.zeros(len(vocab), bool)
   eos[list(vocab.eos_ids)] = True
@@ -411,8 +416,8 @@ def regex(pattern: str, vocab: Vocabulary) -> Constraint:
   The pattern always matches the whole text: a leading `^` / `\\A` and a trailing `$` / `\\z`
   are dropped; anchors and word boundaries elsewhere, backreferences and lookarounds are a
   ValueError (no token automaton can follow them). A `\\d` is any Unicode digit: write
-  `[0-9]`. One known gap: after a 0x03 (ETX) byte in the text, outlines-core's DFA may allow
-  less than the pattern does (outputs still match). The compile has a budget (`DFA_SECONDS`,
+  `[0-9]`. One known gap: after the noncharacter U+FFFF in the text, outlines-core's DFA may
+  allow less than the pattern does (outputs still match). The compile has a budget (`DFA_SECONDS`,
   `DFA_MEMORY`, `MAX_STATES`, `MAX_WORK`): past it, a ValueError with the numbers.
 
   Examples:
