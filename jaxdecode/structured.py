@@ -710,14 +710,6 @@ def stack(constraints: Sequence[Constraint | None]) -> Constraint:
                     automaton=jnp.asarray(pick, jnp.int32), eos_ids=real[0].eos_ids)
 
 
-def _allowed_tables(constraint: Constraint) -> tuple[np.ndarray, np.ndarray]:
-  """Host copies: bool[A, S, V] (token allowed from state, per automaton) and next int[A, S, V]."""
-  table = np.asarray(constraint.next_state)
-  classes = np.asarray(constraint.token_class)  # [A, V]
-  moves = table[:, classes].transpose(1, 0, 2)  # [A, S, V]
-  return moves >= 0, moves
-
-
 def check_token_sets(constraint: Constraint, params, prompts: int, n: int = 1) -> None:
   """ValueError when concrete `banned_token_ids` / `allowed_token_ids` leave a row of the
   constraint nothing to select at some state it can reach (`generate`'s check; in the loops,
@@ -736,7 +728,8 @@ def check_token_sets(constraint: Constraint, params, prompts: int, n: int = 1) -
   vocab = constraint.token_class.shape[1]
   banned, allowed_ids = (np.asarray(f).reshape((-1, np.shape(f)[-1])) if np.ndim(f) else
                          np.zeros((1, 0), np.int32) for f in fields)
-  allowed, moves = _allowed_tables(constraint)
+  table = np.asarray(constraint.next_state)  # [S, C]: class-level, never [S, V]
+  classes = np.asarray(constraint.token_class)  # [A, V]
   rows = prompts * n
   initial = np.broadcast_to(np.asarray(constraint.initial), (rows,))
   automaton = np.broadcast_to(np.asarray(constraint.automaton), (rows,))
@@ -751,17 +744,20 @@ def check_token_sets(constraint: Constraint, params, prompts: int, n: int = 1) -
       only = np.zeros(vocab, bool)
       only[keep] = True
       mask &= only
-    ok, nxt = allowed[automaton[r]] & mask, moves[automaton[r]]
+    # A class stays usable when one of its tokens survives the sets.
+    usable = np.zeros(table.shape[1], bool)
+    usable[np.unique(classes[automaton[r]][mask])] = True
+    moves = np.where(usable[None, :], table, NOT_ALLOWED)
     seen, todo = {int(initial[r])}, [int(initial[r])]
     while todo:
       state = todo.pop()
-      tokens = np.flatnonzero(ok[state])
-      if not tokens.size:
+      targets = moves[state][moves[state] >= 0]
+      if not targets.size:
         raise ValueError(f"row {r}: banned_token_ids/allowed_token_ids remove every token the "
                          f"constraint allows at some point of its text (automaton state "
                          f"{state}), so the row would have nothing to select; relax the token "
                          f"sets or the constraint")
-      for target in set(nxt[state, tokens].tolist()) - seen:
+      for target in set(targets.tolist()) - seen:
         seen.add(target)
         todo.append(target)
 

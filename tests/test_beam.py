@@ -569,7 +569,7 @@ def test_new_values_of_the_traced_arguments_do_not_retrace():
     (dict(beam_size=2.0), "beam_size must be an integer >= 1; got 2.0"),
     (dict(num_return=4), "num_return must be at most beam_size = 3"),
     (dict(num_return=0), "num_return must be an integer >= 1; got 0"),
-    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1; got 0"),
+    (dict(max_new_tokens=0), r"max_new_tokens must be an integer in \[1, 1073741824\]; got 0"),
     (dict(early_stopping="always"), "early_stopping must be True, False or \"never\"; got 'always'"),
     (dict(early_stopping=1), "early_stopping must be True, False or \"never\"; got 1"),
     (dict(length_penalty=float("nan")), "length_penalty must be a finite number; got nan"),

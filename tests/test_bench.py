@@ -373,8 +373,9 @@ def test_structured_table_on_a_tiny_model_and_a_small_bpe_vocabulary():
   texts = [doc for doc in bench.spec_prompts("fresh", 8)] * 20 + ['{"a": [1, 2.5, "x@y.z"]}']
   # One constraint keeps it to two decode programs (each constraint compiles its own).
   rows = bench.structured_table(batches=(2,), runs=5, max_new_tokens=4, vocab_size=400,
-                                model_loader=tiny, vocab_texts=texts, constraints=("json",))
-  decode, compiled = rows
+                                model_loader=tiny, vocab_texts=texts, constraints=("json",),
+                                extra_compiles=("maxlen1000",))
+  decode, compiled, extra = rows
   assert (decode["kind"], decode["batch"], decode["max_new_tokens"]) == ("decode", 2, 4)
   assert set(decode["median_s"]) == {"plain", "json"} and set(decode["ratio"]) == {"json_vs_plain"}
   for value in [*decode["median_s"].values(), *decode["ratio"].values()]:
@@ -382,6 +383,8 @@ def test_structured_table_on_a_tiny_model_and_a_small_bpe_vocabulary():
   assert (compiled["kind"], compiled["constraint"]) == ("compile", "json")
   assert 256 < compiled["vocab"] <= 400 and compiled["table_bytes"] > 0
   assert _positive_finite(compiled["compile_s"]) and _positive_finite(compiled["index_s"])
+  assert _positive_finite(compiled["peak_mb"]) and extra["index_s"] is None
+  assert extra["constraint"] == "maxlen1000" and extra["table_shape"][0] >= 1000
   result = {"command": "", "machine": bench.machine_info(), "notes": [], "kernel": [],
             "structured": rows, "settings": {"runs": 5, "warmup": 2, "seconds": 1.0,
                                              "structured_new_tokens": 4}}

@@ -268,8 +268,8 @@ def test_prompt_helpers_left_pad_with_per_row_positions_and_masks():
 
 
 @pytest.mark.parametrize("change,fragment", [
-    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1; got 0"),
-    (dict(max_new_tokens=2.5), "max_new_tokens must be an integer >= 1; got 2.5"),
+    (dict(max_new_tokens=0), r"max_new_tokens must be an integer in \[1, 1073741824\]; got 0"),
+    (dict(max_new_tokens=2.5), r"max_new_tokens must be an integer in \[1, 1073741824\]; got 2.5"),
     (dict(positions=jnp.zeros(3, jnp.int32)), r"positions must be an integer array of shape \(8,\)"),
     (dict(positions=jnp.zeros(8)), "dtype float32"),
     (dict(params=SamplingParams(top_p=[0.5, 0.9])), r"top_p has shape \(2,\) but the batch has 8"),

@@ -598,6 +598,7 @@ def test_generate_and_stream_take_a_prebuilt_constraint(tiny):
     generate(["a", "b", "c"], model=model, constraint=c, max_new_tokens=8)
 
 
+@pytest.mark.slow
 def test_a_dead_end_is_reported_by_generate_and_the_command_with_status_3(tiny, capsys):
   """min_new_tokens=3 against a constraint with a 2-token text: a row that takes it can only
   stop at a dead end (its EOS is masked, nothing else is allowed). The first greedy call learns

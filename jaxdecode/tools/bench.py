@@ -1006,50 +1006,69 @@ def structured_decode_row(model, *, batch: int, runs: int = RUNS,
   }
 
 
-def structured_compile_row(vocabulary, name: str, spec, *, vocab_seconds: float | None = None
-                           ) -> dict:
-  """The time to compile one constraint for `vocabulary` (from scratch: jaxdecode's cache of
-  compiled constraints is cleared first) and the size of its tables.
+# The compile rows beyond the decode table's two constraints: the cases of issue 37 (a long
+# wildcard, and a JSON string whose outlines-core automaton was exponential in maxLength).
+STRUCTURED_EXTRA_COMPILES = {"any300": ".{0,300}", "maxlen1000": {"type": "string",
+                                                                  "maxLength": 1000}}
 
-  Also timed on its own: outlines-core's `Index` of the same regex over the same tokens (its
-  share of the compile; the rest is reading its transitions and packing the device tables).
+
+def structured_compile_row(vocabulary, name: str, spec, *, vocab_seconds: float | None = None,
+                           outlines_index: bool = True) -> dict:
+  """The time and peak host memory to compile one constraint for `vocabulary` (from scratch:
+  jaxdecode's cache of compiled constraints is cleared first) and the size of its tables.
+
+  With `outlines_index`, also timed: outlines-core's own token `Index` of the same regex over the
+  same tokens (what jaxdecode built its tables from before it walked the tokens itself).
 
   Args:
     vocabulary: a `jaxdecode.structured.Vocabulary` (e.g. from `bpe_vocabulary`).
-    name: "json" (`spec` is a JSON schema) or "regex" (`spec` is a pattern).
+    name: a name for the row; `spec` is a JSON schema when it is a dict, else a pattern.
     spec: the schema or the pattern.
     vocab_seconds: how long building `vocabulary` took (recorded as is).
+    outlines_index: whether to time outlines-core's token index too (skip it where it blows
+      up: a long maxLength).
 
   Returns:
-    A dict with `kind` "compile", `constraint` (name), `vocab`, `compile_s`, `index_s`,
-    `vocab_s`, `regex_chars` (the regex's length), `table_shape` (the padded `[S, C]` of
-    `next_state`) and `table_bytes` (`constraint.nbytes()`).
+    A dict with `kind` "compile", `constraint` (name), `vocab`, `compile_s`, `peak_mb` (the
+    peak of the memory traced by `tracemalloc` during the compile: numpy's arrays included,
+    outlines-core's worker process not), `index_s` (None without `outlines_index`), `vocab_s`,
+    `regex_chars` (the regex's length), `table_shape` (the padded `[S, C]` of `next_state`) and
+    `table_bytes` (`constraint.nbytes()`).
   """
   # pylint: disable=import-outside-toplevel
+  import tracemalloc
   from outlines_core import Index, Vocabulary as OutlinesVocabulary
   from outlines_core.json_schema import build_regex_from_schema
   from jaxdecode import structured
   # pylint: enable=import-outside-toplevel
-  pattern = build_regex_from_schema(json.dumps(spec)) if name == "json" else spec
+  is_schema = isinstance(spec, Mapping)
+  pattern = build_regex_from_schema(json.dumps(spec)) if is_schema else spec
   for cached in (getattr(structured, "_compile_schema", None),
                  getattr(structured, "_compile_regex", None)):
     if hasattr(cached, "cache_clear"):
       cached.cache_clear()  # measure a compile, not a cache hit
-  build = structured.json_schema if name == "json" else structured.regex
-  start = time.perf_counter()
-  constraint = jax.block_until_ready(build(spec, vocabulary))
-  compile_s = time.perf_counter() - start
-  groups: dict[bytes, list[int]] = {}
-  for i, token in enumerate(vocabulary.tokens):
-    if token is not None and i not in vocabulary.eos_ids:
-      groups.setdefault(token, []).append(i)
-  start = time.perf_counter()
-  Index(pattern, OutlinesVocabulary(vocabulary.eos_ids[0], groups))
-  index_s = time.perf_counter() - start
+  build = structured.json_schema if is_schema else structured.regex
+  tracemalloc.start()
+  try:
+    start = time.perf_counter()
+    constraint = jax.block_until_ready(build(spec, vocabulary))
+    compile_s = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  index_s = None
+  if outlines_index:
+    groups: dict[bytes, list[int]] = {}
+    for i, token in enumerate(vocabulary.tokens):
+      if token is not None and i not in vocabulary.eos_ids:
+        groups.setdefault(token, []).append(i)
+    start = time.perf_counter()
+    Index(pattern, OutlinesVocabulary(vocabulary.eos_ids[0], groups))
+    index_s = time.perf_counter() - start
   return {"kind": "compile", "constraint": name, "vocab": len(vocabulary),
-          "compile_s": compile_s, "index_s": index_s, "vocab_s": vocab_seconds,
-          "regex_chars": len(pattern), "table_shape": list(constraint.next_state.shape),
-          "table_bytes": constraint.nbytes()}
+          "compile_s": compile_s, "peak_mb": peak / 2**20, "index_s": index_s,
+          "vocab_s": vocab_seconds, "regex_chars": len(pattern),
+          "table_shape": list(constraint.next_state.shape), "table_bytes": constraint.nbytes()}
 
 
 def structured_table(*, batches: Sequence[int] = STRUCTURED_BATCHES, runs: int = RUNS,
@@ -1058,12 +1077,14 @@ def structured_table(*, batches: Sequence[int] = STRUCTURED_BATCHES, runs: int =
                      model_loader: Callable[[], Any] | None = None,
                      vocab_texts: Sequence[str] | None = None,
                      constraints: Sequence[str] = ("json", "regex"),
+                     extra_compiles: Sequence[str] = tuple(STRUCTURED_EXTRA_COMPILES),
                      progress: Callable[[str], None] | None = None) -> list[dict]:
   """`structured_decode_row` for each batch size on the embedded model (or `model_loader()`),
   then `structured_compile_row` for the JSON schema and the regex over a `vocab_size`-token
   ByteLevel BPE vocabulary (`bpe_vocabulary(vocab_size, vocab_texts)`; None: no compile rows).
-  `constraints`: which of "json" and "regex" (both by default). A part that cannot run is a
-  row `{"kind", "skipped"}` (no model; `tokenizers` missing)."""
+  `constraints`: which of "json" and "regex" (both by default); `extra_compiles`: which of
+  `STRUCTURED_EXTRA_COMPILES` to compile too. A part that cannot run is a row
+  `{"kind", "skipped"}` (no model; `tokenizers` missing)."""
   rows = []
   try:
     model = (model_loader or _default_model)()
@@ -1088,10 +1109,11 @@ def structured_table(*, batches: Sequence[int] = STRUCTURED_BATCHES, runs: int =
     return rows
   vocab_s = time.perf_counter() - started
   specs = {"json": STRUCTURED_SCHEMA, "regex": STRUCTURED_REGEX}
-  for name in constraints:
-    spec = specs[name]
+  for name in [*constraints, *extra_compiles]:
+    spec = specs.get(name, STRUCTURED_EXTRA_COMPILES.get(name))
     started = time.perf_counter()
-    rows.append(structured_compile_row(vocabulary, name, spec, vocab_seconds=vocab_s))
+    rows.append(structured_compile_row(vocabulary, name, spec, vocab_seconds=vocab_s,
+                                       outlines_index=name in specs))
     if progress:
       progress(f"structured compile {name} V={len(vocabulary)}: "
                f"{time.perf_counter() - started:.0f} s")
@@ -1421,17 +1443,21 @@ def format_table(result: Mapping) -> str:
     lines += _section(
         textwrap.wrap("Structured compile: from scratch (cache cleared), for a ByteLevel BPE "
                       "vocabulary trained with tokenizers on the embedded corpus", _WIDTH),
-        f"{'constraint':<10} {'V':>6} {'regex chars':>11} {'compile s':>9} {'index s':>7} "
-        f"{'table':>10} {'table MB':>8}",
+        f"{'constraint':<10} {'V':>6} {'regex chars':>11} {'compile s':>9} {'peak MB':>7} "
+        f"{'index s':>7} {'table':>11} {'table MB':>8}",
         compile_rows, lambda row: f"{row['constraint']:<10}",
         lambda row, r: (f"{row['constraint']:<10} {row['vocab']:>6} {row['regex_chars']:>11} "
-                        f"{row['compile_s']:>9.2f} {row['index_s']:>7.2f} "
-                        f"{'x'.join(map(str, row['table_shape'])):>10} "
+                        f"{row['compile_s']:>9.2f} {row.get('peak_mb', math.nan):>7.0f} "
+                        + (f"{row['index_s']:>7.2f} " if row.get("index_s") is not None
+                           else f"{'-':>7} ")
+                        + f"{'x'.join(map(str, row['table_shape'])):>11} "
                         f"{row['table_bytes'] / 2**20:>8.2f}"),
-        "compile s: structured.json_schema / structured.regex (goal <= 5 s, floor 20 s); index "
-        "s: outlines-core's Index of the same regex alone (its share; the rest reads its "
-        "transitions and packs the device tables); table: next_state's padded [states, token "
-        "classes]; table MB: constraint.nbytes() (goal <= 64 MB). The vocabulary took "
+        "compile s: structured.json_schema / structured.regex (goal <= 5 s, floor 20 s); peak "
+        "MB: the host memory traced during it (goal <= 200 MB + 10x the tables); index s: "
+        "outlines-core's own token Index of the same regex, for comparison (what the tables "
+        "were read from before; - where it blows up); any300: the regex .{0,300}; maxlen1000: a "
+        "JSON string of maxLength 1000; table: next_state's padded [states, token classes]; "
+        "table MB: constraint.nbytes() (goal <= 64 MB). The vocabulary took "
         + (f"{compile_rows[0]['vocab_s']:.1f} s to train."
            if compile_rows[0].get("vocab_s") is not None else "- s to train."))
   for note in result["notes"]:
