@@ -989,8 +989,11 @@ def structured_decode_row(model, *, batch: int, runs: int = RUNS,
   params = SamplingParams(top_p=TOP_P)
 
   def run(constraint=None):
+    # A constrained row may only end with its vocabulary's EOS (refused otherwise); both
+    # languages are longer than the window, so no constrained row reaches it.
     return jaxdecode.decode(step_fn, state, logits, key=key, params=params,
                             max_new_tokens=max_new_tokens, positions=lengths, pad_id=tok.PAD,
+                            eos_ids=[tok.EOS] if constraint is not None else (),
                             constraint=constraint).tokens
 
   medians = _medians(time_round_robin({
