@@ -14,16 +14,16 @@ at once. Exact zeros before a row's first term leave acc at +0.0 (+0.0 + -0.0 is
 after its last term add nothing (acc + 0.0 == acc, and acc is never -0.0), so a row's result
 does not depend on masked terms (exp(-inf) = 0, a zero weight) at either end of its axis: left
 padding that shifts a row's cache slots leaves its bits alone. (A tree or lanes chosen by the
-index modulo a width are not invariant to such a shift.) Blocks of `TERMS` steps are unrolled
-inside a `fori_loop`, so XLA fuses a block into one pass over the outputs.
+index modulo a width are not invariant to such a shift.) The chain is a `lax.scan` over the
+reduction axis laid out first, each step one elementwise pass over the outputs.
 
 - `reduce_sum` (and so `mean`, `var`, a softmax's or `logsumexp`'s normalizer, layer norms):
   the chain over the reduced axes, flattened in order.
 - `dot_general` (every layout: batch dims, several contracting dims, `precision`,
   `preferred_element_type`): the chain of multiply-adds l[k] * r[k] over the contracting dims
-  flattened in order; the right operand is read in tiles of `TILE` columns with a block's
-  `TERMS` rows contiguous (layout only, as `jaxdecode.models.numerics.chain_matmul`). Operands
-  narrower than float32 are multiplied and accumulated in float32; `precision` is moot (every
+  flattened in order, both operands laid out contraction-major so that a step reads contiguous
+  slices (as `jaxdecode.models.numerics.chain_matmul`, without its lanes, which are chosen by
+  the index modulo 4 and so are not shift-invariant). Operands narrower than float32 are multiplied and accumulated in float32; `precision` is moot (every
   product is an exact-rounded elementwise multiply).
 - `reduce_prod`: the chain of multiplies from 1.0 (ones at either end are no-ops).
 - `cumsum`, `cumprod`, `cumlogsumexp`: the chain, every prefix kept (from +0.0, 1.0, -inf).
@@ -76,8 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-TERMS = 32  # contraction terms unrolled per loop step of a product (layout only: bits do not depend on it)
-TILE = 32  # output columns per tile of a product (layout only)
+UNROLL = 4  # steps of a sum's chain per loop iteration (layout only: the bits do not depend on it)
 
 __all__ = ["batch_invariant", "BatchInvariantError"]
 
@@ -125,34 +124,14 @@ def fixed_sum(x: jax.Array, axes) -> jax.Array:
 def _chain(terms: jax.Array, op, init, prefixes: bool = False) -> jax.Array:
   """[N, R] -> [R]: acc = op(acc, terms[i]) for i = 0, 1, ..., N - 1, acc starting at `init`.
 
-  Blocks of `TERMS` steps are unrolled inside a `fori_loop` (layout only: the order is the
-  chain's). `prefixes`: return every acc ([N, R]: the inclusive scan) instead of the last.
+  A `lax.scan` over the leading axis (`UNROLL` steps per loop iteration: layout only, the order
+  is the chain's). `prefixes`: return every acc ([N, R]: the inclusive scan) instead of the last.
   """
   acc = lax.full(terms.shape[1:], init, terms.dtype)
-  n = terms.shape[0]
-  if n == 0:
-    return terms if prefixes else acc
-  blocks = -(-n // TERMS)
-  if blocks > 1:
-    terms = jnp.concatenate(
-        [terms, lax.full((blocks * TERMS - n,) + terms.shape[1:], init, terms.dtype)], axis=0)
-
-  width = min(TERMS, n)
-
-  def block(b, carry):
-    acc, out = carry
-    accs = []
-    for t in range(width):
-      acc = op(acc, lax.dynamic_index_in_dim(terms, b * width + t, 0, keepdims=False))
-      accs.append(acc)
-    if prefixes:
-      out = lax.dynamic_update_index_in_dim(out, jnp.stack(accs), b * width, 0) if blocks > 1 \
-          else jnp.stack(accs)
-    return acc, out
-
-  out = jnp.zeros_like(terms) if prefixes and blocks > 1 else None
-  acc, out = block(0, (acc, out)) if blocks == 1 else lax.fori_loop(0, blocks, block, (acc, out))
-  return out[:n] if prefixes else acc
+  if prefixes:
+    return lax.scan(lambda acc, x: (op(acc, x),) * 2, acc, terms, unroll=1)[1]
+  return lax.scan(lambda acc, x: (op(acc, x), None), acc, terms,
+                  unroll=max(1, min(UNROLL, terms.shape[0])))[0]
 
 
 def fixed_prod(x: jax.Array, axes) -> jax.Array:
@@ -166,9 +145,9 @@ def chain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype) -> j
   """`lax.dot_general` as an in-order chain of multiply-adds over the contraction.
 
   Output element e is acc_K where acc_0 = +0.0 and acc_{k+1} = acc_k + l_e[k] * r_e[k], k
-  running over the contracting dims flattened in order: an order fixed by the program. The
-  loop runs blocks of `TERMS` terms; the right operand is read in tiles of `TILE` columns,
-  `TERMS` rows contiguous (so a long row stride maps no two rows of a block to one cache set).
+  running over the contracting dims flattened in order: an order fixed by the program. Both
+  operands are first laid out contraction-major ([K, batch, free]), so step k reads two
+  contiguous slices; the steps are a `lax.scan`, each one pass over the output.
   """
   (lc, rc), (lb, rb) = dimension_numbers
   lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
@@ -183,30 +162,14 @@ def chain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype) -> j
   out_shape = batch_shape + lfree + rfree
   if k == 0 or nb * m * n == 0:
     return jnp.zeros(out_shape, out_dtype)
-  left = lax.transpose(lhs, lb + lf + lc).reshape(nb, m, k).astype(acc_dtype)
-  right = lax.transpose(rhs, rb + rc + rf).reshape(nb, k, n).astype(acc_dtype)
-  blocks, tiles = -(-k // TERMS), -(-n // TILE)
-  width = min(TERMS, k)  # terms per block
-  if blocks > 1:
-    width = TERMS
-  left = jnp.pad(left, ((0, 0), (0, 0), (0, blocks * width - k)))
-  right = jnp.pad(right, ((0, 0), (0, blocks * width - k), (0, tiles * TILE - n)))
-  left = jnp.transpose(left.reshape(nb, m, blocks, width), (2, 0, 1, 3))  # [blk, nb, m, T]
-  right = jnp.transpose(right.reshape(nb, blocks, width, tiles, TILE),
-                        (1, 0, 3, 2, 4))  # [blk, nb, tiles, T, V]
+  left = lax.transpose(lhs, lc + lb + lf).reshape(k, nb, m, 1).astype(acc_dtype)
+  right = lax.transpose(rhs, rc + rb + rf).reshape(k, nb, 1, n).astype(acc_dtype)
 
-  def block(b, acc):  # acc [nb, tiles, m, V]
-    for t in range(width):
-      lt = lax.dynamic_slice(left, (b, 0, 0, t), (1, nb, m, 1)).reshape(nb, 1, m, 1)
-      rt = lax.dynamic_slice(right, (b, 0, 0, t, 0), (1, nb, tiles, 1, TILE)).reshape(
-          nb, tiles, 1, TILE)
-      acc = acc + lt * rt
-    return acc
+  def step(acc, lr):
+    return acc + lr[0] * lr[1], None
 
-  acc = jnp.zeros((nb, tiles, m, TILE), acc_dtype)
-  acc = block(0, acc) if blocks == 1 else lax.fori_loop(0, blocks, block, acc)
-  out = jnp.transpose(acc, (0, 2, 1, 3)).reshape(nb, m, tiles * TILE)[:, :, :n]
-  return out.reshape(out_shape).astype(out_dtype)
+  acc = lax.scan(step, jnp.zeros((nb, m, n), acc_dtype), (left, right))[0]
+  return acc.reshape(out_shape).astype(out_dtype)
 
 
 _LOG2E = np.float32(1.4426950408889634)
