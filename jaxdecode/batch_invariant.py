@@ -44,8 +44,9 @@ host callbacks, `pallas_call` / `ffi_call` / custom calls, float collectives (`p
 primitive not on the allow-list.
 
 Control flow is rewritten inside: `jit` (inlined), `scan`, `while`, `cond`/`switch`,
-`checkpoint`/`remat`, `custom_jvp_call`/`custom_vjp_call` (their primal body is evaluated
-rewritten; derivatives come from the plain function, below).
+`checkpoint`/`remat`, `shard_map` (float `psum` inside it is refused), `custom_jvp_call`/
+`custom_vjp_call` (their primal body is evaluated rewritten; derivatives come from the plain
+function, below).
 
 What it promises: on one machine, in one program, a row's bits (a row being any slice along an
 axis that no reduction runs over) do not depend on the other rows, and a reduction's result does
@@ -121,13 +122,24 @@ def fixed_sum(x: jax.Array, axes) -> jax.Array:
   return _chain(x, lax.add, 0).astype(out_dtype)
 
 
+def _varying_like(value: jax.Array, like: jax.Array) -> jax.Array:
+  """`value` marked as varying over the manual mesh axes `like` varies over (in `shard_map`)."""
+  aval = jax.typeof(like)
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+  have = getattr(getattr(jax.typeof(value), "manual_axis_type", None), "varying", None) or ()
+  missing = tuple(sorted(set(vma or ()) - set(have)))
+  return lax.pcast(value, missing, to="varying") if missing else value
+
+
 def _chain(terms: jax.Array, op, init, prefixes: bool = False) -> jax.Array:
   """[N, R] -> [R]: acc = op(acc, terms[i]) for i = 0, 1, ..., N - 1, acc starting at `init`.
 
   A `lax.scan` over the leading axis (`UNROLL` steps per loop iteration: layout only, the order
   is the chain's). `prefixes`: return every acc ([N, R]: the inclusive scan) instead of the last.
   """
-  acc = lax.full(terms.shape[1:], init, terms.dtype)
+  acc = _varying_like(lax.full(terms.shape[1:], init, terms.dtype), terms)
   if prefixes:
     return lax.scan(lambda acc, x: (op(acc, x),) * 2, acc, terms, unroll=1)[1]
   return lax.scan(lambda acc, x: (op(acc, x), None), acc, terms,
@@ -168,7 +180,8 @@ def chain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype) -> j
   def step(acc, lr):
     return acc + lr[0] * lr[1], None
 
-  acc = lax.scan(step, jnp.zeros((nb, m, n), acc_dtype), (left, right))[0]
+  acc = _varying_like(_varying_like(jnp.zeros((nb, m, n), acc_dtype), left), right)
+  acc = lax.scan(step, acc, (left, right))[0]
   return acc.reshape(out_shape).astype(out_dtype)
 
 
@@ -393,12 +406,17 @@ def _rewrite(eqn, invals):
     return list(fn(*invals))
   if name == "scan":
     return _scan(eqn, invals)
+  if name == "shard_map":
+    fn = lambda *args: tuple(_open_fn(p["jaxpr"])(*args))
+    return list(jax.shard_map(fn, mesh=p["mesh"], in_specs=p["in_specs"],
+                              out_specs=p["out_specs"], check_vma=p["check_vma"],
+                              axis_names=set(p["newly_manual_axes"]))(*invals))
   if name == "while":
     return _while(eqn, invals)
   if name == "cond":
     branches = [_closed_fn(b) for b in p["branches"]]
     return list(lax.switch(invals[0], branches, *invals[1:]))
-  if name in ("psum", "psum2", "reduce_scatter", "psum_scatter"):
+  if name in ("psum", "psum2", "psum_invariant", "reduce_scatter", "psum_scatter"):
     if _float_in(eqn):
       _refuse(eqn, "a float sum across devices, in an order the runtime picks")
     return _bind(eqn, invals)
@@ -535,8 +553,9 @@ def batch_invariant(fn: Callable) -> Callable:
   Refused (a `BatchInvariantError`, both `NotImplementedError` and `ValueError`, at trace time,
   naming the primitive and the source line): float convolutions, FFTs, linear algebra, host
   callbacks returning floats (`pure_callback`, `io_callback`), custom kernels (`pallas_call`,
-  `ffi_call`), float cross-device sums (`psum`), `shard_map`, and any primitive not on the
-  allow-list of elementwise, structural and exact operations.
+  `ffi_call`), float cross-device sums (`psum`, inside `shard_map`), a scatter-add with batching
+  dims (`batch_invariant(vmap(f))` of a scatter-add: use `vmap(batch_invariant(f))`), and any
+  primitive not on the allow-list of elementwise, structural and exact operations.
 
   Args:
     fn: a function of arrays (pytrees in and out, positional or keyword arguments, all

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import jaxdecode
 from jaxdecode import batch_invariant
@@ -296,6 +297,46 @@ def test_vmap_either_side():
       x = rng.standard_normal((batch, D)).astype(np.float32)
       x[-1] = needle[0]
       _assert_bitwise(fn(x)[-1], alone[0], f"batch {batch}")
+
+
+def test_custom_vjp_and_checkpoint_inside():
+  """Their primal bodies are rewritten; the gradient uses the custom rule (plain function)."""
+  @jax.custom_vjp
+  def scaled_sum(x):
+    return jnp.sum(x, -1)
+
+  scaled_sum.defvjp(lambda x: (scaled_sum(x), x.shape),
+                    lambda shape, g: (3.0 * jnp.broadcast_to(g[:, None], shape),))
+
+  def f(x, w):
+    return scaled_sum(jax.checkpoint(lambda x: jnp.tanh(x @ w))(x))
+
+  w = _weights()["w"]
+  rng = np.random.default_rng(10)
+  needle = rng.standard_normal((1, D)).astype(np.float32)
+  x = rng.standard_normal((7, D)).astype(np.float32)
+  x[4] = needle[0]
+  fn = jax.jit(batch_invariant(f))
+  _assert_bitwise(fn(x, w)[4], fn(needle, w)[0], "batch 7")
+  np.testing.assert_allclose(fn(needle, w), f(needle, w), rtol=1e-5)
+  grad = jax.grad(lambda x: jnp.sum(batch_invariant(f)(x, w)))(needle)
+  np.testing.assert_allclose(grad, jax.grad(lambda x: jnp.sum(f(x, w)))(needle), rtol=1e-5)
+
+
+def test_shard_map_inside_gives_the_bits_of_the_same_program_outside():
+  mesh = jax.make_mesh((1,), ("d",))
+  w = _weights()["w"]
+  body = lambda x, w: (jax.nn.softmax(x @ w, -1), jnp.cumsum(x, -1))
+  sharded = lambda x, w: jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P()),
+                                       out_specs=(P("d"), P("d")))(x, w)
+  x = np.random.default_rng(11).standard_normal((4, D)).astype(np.float32)
+  x = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("d")))
+  for a, b in zip(jax.jit(batch_invariant(sharded))(x, w), jax.jit(batch_invariant(body))(x, w)):
+    _assert_bitwise(a, b, "shard_map")
+  psum = lambda x: jax.shard_map(lambda x: lax.psum(x, "d"), mesh=mesh, in_specs=P("d"),
+                                 out_specs=P())(x)
+  with pytest.raises(BatchInvariantError, match="psum"):
+    batch_invariant(psum)(x)
 
 
 def test_pytrees_in_and_out_and_integers_pass():
