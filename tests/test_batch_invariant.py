@@ -420,3 +420,112 @@ def test_transformer_block_rows_bitwise():
 def test_exported_from_the_package():
   assert jaxdecode.batch_invariant is batch_invariant
   assert "batch_invariant" in jaxdecode.__all__
+
+
+# ---------------------------------------------------------------------------------------------
+# The needle test on a model in the style of transformers' Flax GPT-2: one cache index shared by
+# all rows, left padding (so a row's tokens sit at other cache slots in a batch than alone),
+# an attention bias of finfo.min on masked slots, positions from the mask's cumulative sum.
+
+VOCAB, WIDTH, HEADS, SLOTS = 50, 32, 2, 16
+
+
+def _gpt2_like():
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+
+  class Attention(nn.Module):
+    @nn.compact
+    def __call__(self, h, mask):
+      b, t, d = h.shape
+      q, k, v = jnp.split(nn.Dense(3 * d, name="c_attn")(h), 3, axis=-1)
+      q, k, v = (a.reshape(b, t, HEADS, d // HEADS) for a in (q, k, v))
+      cached_key = self.variable("cache", "cached_key", jnp.zeros, (b, SLOTS) + k.shape[2:],
+                                 k.dtype)
+      cached_value = self.variable("cache", "cached_value", jnp.zeros,
+                                   (b, SLOTS) + v.shape[2:], v.dtype)
+      index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+      start = index.value
+      k = lax.dynamic_update_slice(cached_key.value, k, (0, start, 0, 0))
+      v = lax.dynamic_update_slice(cached_value.value, v, (0, start, 0, 0))
+      cached_key.value, cached_value.value, index.value = k, v, start + t
+      causal = jnp.arange(SLOTS)[None, :] <= (start + jnp.arange(t))[:, None]  # [t, S]
+      allowed = causal[None, None] & (mask[:, None, None, :] > 0)  # [B, 1, t, S]
+      bias = lax.select(allowed, jnp.zeros(allowed.shape, h.dtype),
+                        jnp.full(allowed.shape, jnp.finfo(h.dtype).min, h.dtype))
+      weights = nn.dot_product_attention_weights(q, k, bias=bias)
+      out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+      return nn.Dense(d, name="c_proj")(out)
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask):
+      x = x + Attention()(nn.LayerNorm()(x), mask)
+      h = nn.Dense(4 * WIDTH)(nn.LayerNorm()(x))
+      return x + nn.Dense(WIDTH)(nn.gelu(h, approximate=True))
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, tokens, mask, positions):
+      wte = nn.Embed(VOCAB, WIDTH, name="wte")
+      x = wte(tokens) + nn.Embed(SLOTS, WIDTH, name="wpe")(positions)
+      for _ in range(2):
+        x = Block()(x, mask)
+      return wte.attend(nn.LayerNorm()(x))
+
+  return Model()
+
+
+def _gpt2_runs(tokens_per_row, steps):
+  """Left-pads the prompts, prefills, decodes `steps` greedy tokens per row (row 0's choice
+  is fed to every row); returns the logits [B, 1 + steps, V], all under batch_invariant."""
+  model = _gpt2_like()
+  length = max(len(p) for p in tokens_per_row)
+  tokens = np.zeros((len(tokens_per_row), length), np.int32)
+  prompt_mask = np.zeros_like(tokens)
+  for i, p in enumerate(tokens_per_row):
+    tokens[i, length - len(p):] = p
+    prompt_mask[i, length - len(p):] = 1
+  params = model.init(jax.random.key(0), tokens[:1], np.ones((1, SLOTS), np.int32),
+                      tokens[:1])["params"]
+  mask = np.ones((len(tokens), SLOTS), np.int32)
+  mask[:, :length] = prompt_mask
+  positions = np.maximum(np.cumsum(prompt_mask, -1) - 1, 0).astype(np.int32)
+
+  @jax.jit
+  @batch_invariant
+  def prefill(params, tokens, mask, positions):
+    logits, variables = model.apply({"params": params}, tokens, mask, positions,
+                                    mutable=["cache"])
+    return logits[:, -1], variables["cache"]
+
+  @jax.jit
+  @batch_invariant
+  def step(params, cache, token, mask, position):
+    logits, variables = model.apply({"params": params, "cache": cache}, token[:, None], mask,
+                                    position[:, None], mutable=["cache"])
+    return logits[:, -1], variables["cache"]
+
+  logits, cache = prefill(params, tokens, mask, positions)
+  out = [logits]
+  position = positions[:, -1]
+  for _ in range(steps):
+    token = jnp.full((len(tokens),), jnp.argmax(logits[0]), jnp.int32)
+    position = position + 1
+    logits, cache = step(params, cache, token, mask, position)
+    out.append(logits)
+  return np.stack([np.asarray(o) for o in out], axis=1)
+
+
+@pytest.mark.slow
+def test_needle_in_a_left_padded_batch_of_a_gpt2_like_flax_model():
+  """A prompt alone and in a left-padded batch: bitwise the same logits, prefill and decode."""
+  pytest.importorskip("flax")
+  rng = np.random.default_rng(12)
+  needle = list(rng.integers(1, VOCAB, 5))
+  alone = _gpt2_runs([needle], steps=3)[0]
+  for partners, slot in (([3, 7, 2], 0), ([7], 1)):
+    prompts = [list(rng.integers(1, VOCAB, n)) for n in partners]
+    prompts.insert(slot, needle)
+    # Row 0's greedy token is fed to every row: put the needle there or compare step 0 only.
+    together = _gpt2_runs(prompts, steps=3 if slot == 0 else 0)[slot]
+    _assert_bitwise(together, alone[:len(together)], f"partners {partners}")
