@@ -284,7 +284,7 @@ reduce_window_max reduce_window_min sort top_k scatter scatter-min scatter-max
 random_bits random_seed random_wrap random_unwrap random_fold_in random_split threefry2x32
 rng_bit_generator rng_uniform stop_gradient optimization_barrier sharding_constraint
 device_put mesh_cast reshard pvary axis_index pmax pmin all_gather ppermute all_to_all
-debug_callback name pbroadcast
+debug_callback name pbroadcast pcast platform_index all_gather_invariant
 """.split())
 
 _LINALG = frozenset("""

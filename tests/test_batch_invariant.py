@@ -417,6 +417,23 @@ def test_transformer_block_rows_bitwise():
     _assert_bitwise(block(x, p)[batch // 2], alone[0], f"batch {batch}")
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
+def test_the_embedded_models_plain_attention_made_invariant(platform):
+  """`numerics.attention(invariant=False)` (a while_loop, `lax.platform_dependent`, einsums)."""
+  from jaxdecode.models import numerics  # pylint: disable=import-outside-toplevel
+  attention = functools.partial(numerics.attention, invariant=False)
+  rng = np.random.default_rng(13)
+  args = (rng.standard_normal((3, 1, 2, 8)).astype(np.float32),
+          rng.standard_normal((3, 128, 2, 8)).astype(np.float32),
+          rng.standard_normal((3, 128, 2, 8)).astype(np.float32),
+          np.array([[5], [70], [100]], np.int32))
+  assert unordered_sums(attention, *args, platform=platform)
+  assert unordered_sums(batch_invariant(attention), *args, platform=platform) == []
+  if platform == "cpu":
+    np.testing.assert_allclose(jax.jit(batch_invariant(attention))(*args),
+                               jax.jit(attention)(*args), rtol=1e-5, atol=1e-6)
+
+
 def test_exported_from_the_package():
   assert jaxdecode.batch_invariant is batch_invariant
   assert "batch_invariant" in jaxdecode.__all__
