@@ -78,6 +78,12 @@ import numpy as np
 from jax import lax
 
 UNROLL = 4  # steps of a sum's chain per loop iteration (layout only: the bits do not depend on it)
+# Products (layout only: the same chain, the same bits): an output of at most SMALL_OUTPUT
+# elements is updated once per term; a larger one once per block of TERMS terms, the right
+# operand read in tiles of TILE columns.
+SMALL_OUTPUT = 16384
+TERMS = 32
+TILE = 32
 
 __all__ = ["batch_invariant", "BatchInvariantError"]
 
@@ -159,7 +165,11 @@ def chain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype) -> j
   Output element e is acc_K where acc_0 = +0.0 and acc_{k+1} = acc_k + l_e[k] * r_e[k], k
   running over the contracting dims flattened in order: an order fixed by the program. Both
   operands are first laid out contraction-major ([K, batch, free]), so step k reads two
-  contiguous slices; the steps are a `lax.scan`, each one pass over the output.
+  contiguous slices; the steps are a `lax.scan`. A small output (at most `SMALL_OUTPUT`
+  elements, which stay in cache) takes one pass per term; a larger one one pass per block of
+  `TERMS` terms (as `jaxdecode.models.numerics.chain_matmul`), with zero terms padding the
+  last block. Both layouts compute each element by the same chain, so they give the same bits
+  (measured; each term's multiply-add is contracted, or not, into an FMA alike in both).
   """
   (lc, rc), (lb, rb) = dimension_numbers
   lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
@@ -174,14 +184,34 @@ def chain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype) -> j
   out_shape = batch_shape + lfree + rfree
   if k == 0 or nb * m * n == 0:
     return jnp.zeros(out_shape, out_dtype)
-  left = lax.transpose(lhs, lc + lb + lf).reshape(k, nb, m, 1).astype(acc_dtype)
-  right = lax.transpose(rhs, rc + rb + rf).reshape(k, nb, 1, n).astype(acc_dtype)
+  left = lax.transpose(lhs, lc + lb + lf).reshape(k, nb, m).astype(acc_dtype)
+  right = lax.transpose(rhs, rc + rb + rf).reshape(k, nb, n).astype(acc_dtype)
+  zero = _varying_like(_varying_like(jnp.zeros((), acc_dtype), left), right)
+  if nb * m * n <= SMALL_OUTPUT:
+    # One pass over the (cache-resident) output per term.
+    def step(acc, lr):
+      return acc + lr[0][:, :, None] * lr[1][:, None, :], None
 
-  def step(acc, lr):
-    return acc + lr[0] * lr[1], None
+    acc = lax.scan(step, jnp.broadcast_to(zero, (nb, m, n)), (left, right))[0]
+  else:
+    # One pass over the output per block of TERMS terms; the right operand in tiles of TILE
+    # columns whose TERMS rows are contiguous (a long row stride would map them to one cache
+    # set). Terms padded to a whole block are 0 * 0 at the end: no-ops.
+    blocks, tiles = -(-k // TERMS), -(-n // TILE)
+    left = jnp.pad(left, ((0, blocks * TERMS - k), (0, 0), (0, 0)))
+    right = jnp.pad(right, ((0, blocks * TERMS - k), (0, 0), (0, tiles * TILE - n)))
+    left = jnp.transpose(left.reshape(blocks, TERMS, nb, m), (0, 2, 3, 1))  # [blk, nb, m, T]
+    right = jnp.transpose(right.reshape(blocks, TERMS, nb, tiles, TILE),
+                          (0, 2, 3, 1, 4))  # [blk, nb, tiles, T, V]
 
-  acc = _varying_like(_varying_like(jnp.zeros((nb, m, n), acc_dtype), left), right)
-  acc = lax.scan(step, acc, (left, right))[0]
+    def block(acc, lr):  # acc [nb, tiles, m, V]
+      l, r = lr
+      for t in range(TERMS):
+        acc = acc + l[:, None, :, t, None] * r[:, :, None, t, :]
+      return acc, None
+
+    acc = lax.scan(block, jnp.broadcast_to(zero, (nb, tiles, m, TILE)), (left, right))[0]
+    acc = jnp.transpose(acc, (0, 2, 1, 3)).reshape(nb, m, tiles * TILE)[:, :, :n]
   return acc.reshape(out_shape).astype(out_dtype)
 
 

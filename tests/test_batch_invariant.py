@@ -161,6 +161,17 @@ def test_a_row_alone_and_in_batches_of_2_7_33_bitwise(group, batch):
   _check_rows(group, batch)
 
 
+def test_a_product_gets_the_same_bits_in_both_layouts():
+  """Alone, [1, 600] is a small output (one pass per term); in 33 rows a large one (blocks of
+  terms, tiles of columns): the same chain, so the same bits."""
+  rng = np.random.default_rng(14)
+  w = rng.standard_normal((70, 600)).astype(np.float32)
+  x = rng.standard_normal((33, 70)).astype(np.float32)
+  product = jax.jit(batch_invariant(lambda x, w: x @ w))
+  _assert_bitwise(product(x, w)[20], product(x[20:21], w)[0], "layouts")
+  np.testing.assert_allclose(product(x, w), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
+
+
 def _padded_program(scores, x, v, w):
   """Reductions of one row over an axis whose ends may hold masked terms."""
   return {
@@ -404,6 +415,7 @@ def test_no_unordered_sum_left_in_a_transformer_block(platform):
   assert unordered_sums(batch_invariant(_block), x, p, platform=platform) == []
 
 
+@pytest.mark.slow
 def test_transformer_block_rows_bitwise():
   p = _block_params()
   block = jax.jit(batch_invariant(_block))
