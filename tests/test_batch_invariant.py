@@ -172,6 +172,16 @@ def test_a_product_gets_the_same_bits_in_both_layouts():
   np.testing.assert_allclose(product(x, w), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
 
 
+def test_window_sums_with_padding_and_dilations_are_xlas():
+  x = np.random.default_rng(15).standard_normal((3, 10)).astype(np.float32)
+  for f in (lambda x: lax.reduce_window(x, 1.5, lax.add, (1, 3), (1, 2), ((0, 0), (2, 1))),
+            lambda x: lax.reduce_window(x, 0.0, lax.add, (2, 3), (1, 2), ((1, 0), (2, 1)),
+                                        base_dilation=(1, 2), window_dilation=(1, 2)),
+            lambda x: lax.reduce_window(x, 1.5, lax.add, (2, 3), (1, 1), ((1, 0), (2, 1)),
+                                        base_dilation=(2, 1))):
+    np.testing.assert_allclose(jax.jit(batch_invariant(f))(x), f(x), rtol=1e-6, atol=1e-6)
+
+
 def _padded_program(scores, x, v, w):
   """Reductions of one row over an axis whose ends may hold masked terms."""
   return {
@@ -352,7 +362,8 @@ def test_shard_map_inside_gives_the_bits_of_the_same_program_outside():
 
 def test_pytrees_in_and_out_and_integers_pass():
   def f(tree):
-    return {"s": jnp.sum(tree["a"], -1), "n": jnp.sum(tree["i"]), "pair": (tree["a"] @ tree["a"].T,)}
+    return {"s": jnp.sum(tree["a"], -1), "n": jnp.sum(tree["i"]),
+            "pair": (tree["a"] @ tree["a"].T,)}
 
   tree = {"a": np.ones((2, 5), np.float32), "i": np.arange(4, dtype=np.int32)}
   out = batch_invariant(f)(tree)
