@@ -31,6 +31,10 @@ reduction axis laid out first, each step one elementwise pass over the outputs.
 - `cumsum`, `cumprod`, `cumlogsumexp`: the chain, every prefix kept (from +0.0, 1.0, -inf).
 - `reduce_window_sum` (and an add `reduce_window`): the window's offsets added in order.
 - float `scatter-add`: one update at a time, in the order of the updates, in a `fori_loop`.
+- `conv_general_dilated` (strides, padding, both dilations, feature groups): the kernel
+  offsets' strided slices of the input as patches, then the product's chain over (input
+  feature, kernel offset). It materializes the patches (im2col). `batch_group_count` > 1 is
+  refused.
 - `exp` (float32 and narrower): range reduction and a polynomial in basic arithmetic. XLA:CPU's
   own `exp` was measured to give other bits for the same input in arrays of some lengths (3,
   5-7, 11-15 elements: another code path), so a row's `exp` depended on the batch. `log`,
@@ -41,7 +45,7 @@ Kept as they are: every elementwise and structural op on an explicit allow-list,
 reductions (`reduce_max`/`min`, `argmax`, integer sums and products, logical reductions),
 sorts. Everything else that may reorder float sums is refused at trace time with a
 `BatchInvariantError` (a `NotImplementedError`, a `ValueError` too) naming the primitive and
-the user's source line: `conv_general_dilated`, FFT, linear algebra, `pure_callback` and other
+the user's source line: FFT, linear algebra, convolutions with `batch_group_count` > 1, `pure_callback` and other
 host callbacks, `pallas_call` / `ffi_call` / custom calls, float collectives (`psum`), and any
 primitive not on the allow-list.
 
@@ -219,6 +223,40 @@ def chain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype) -> j
     acc = lax.scan(block, jnp.broadcast_to(zero, (nb, tiles, m, TILE)), (left, right))[0]
     acc = jnp.transpose(acc, (0, 2, 1, 3)).reshape(nb, m, tiles * TILE)[:, :, :n]
   return acc.reshape(out_shape).astype(out_dtype)
+
+
+def chain_conv(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+               dimension_numbers, feature_group_count, out_dtype) -> jax.Array:
+  """`lax.conv_general_dilated` (batch_group_count 1) as patches and a `chain_dot`.
+
+  Each kernel offset's strided slice of the padded, dilated input is one patch; output (n, o,
+  s) is the in-order chain over (input feature, kernel offset) of patch * kernel, per feature
+  group. It materializes the patches (input features x kernel size x output size).
+  """
+  lhs_spec, rhs_spec, out_spec = dimension_numbers
+  x = lax.transpose(lhs, tuple(lhs_spec))  # [N, C, spatial...]
+  w = lax.transpose(rhs, tuple(rhs_spec))  # [O, I, kernel...]
+  config = [(0, 0, 0)] * 2 + [(lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dilation)]
+  x = lax.pad(x, jnp.zeros((), x.dtype), config)
+  kernel = w.shape[2:]
+  out_spatial = [(size - (k - 1) * d - 1) // s + 1 for size, k, d, s in
+                 zip(x.shape[2:], kernel, rhs_dilation, window_strides)]
+  patches = []
+  for offset in itertools.product(*[range(k) for k in kernel]):
+    start = [0, 0] + [o * d for o, d in zip(offset, rhs_dilation)]
+    limit = [x.shape[0], x.shape[1]] + [st + (n - 1) * s + 1 for st, n, s in
+                                        zip(start[2:], out_spatial, window_strides)]
+    patches.append(lax.slice(x, start, limit, (1, 1) + tuple(window_strides)))
+  n = x.shape[0]
+  groups = feature_group_count
+  o, i = w.shape[:2]
+  size, offsets = math.prod(out_spatial), len(patches)
+  p = jnp.stack(patches, axis=2).reshape(n, groups, i, offsets, size)  # [N, G, I, K, S]
+  p = jnp.transpose(p, (1, 0, 4, 2, 3))  # [G, N, S, I, K]
+  k = w.reshape(groups, o // groups, i, offsets)  # [G, O/G, I, K]
+  out = chain_dot(p, k, (((3, 4), (2, 3)), ((0,), (0,))), out_dtype)  # [G, N, S, O/G]
+  out = jnp.transpose(out, (1, 0, 3, 2)).reshape((n, o) + tuple(out_spatial))  # [N, O, sp...]
+  return lax.transpose(out, tuple(np.argsort(out_spec)))
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -473,10 +511,14 @@ def _rewrite(eqn, invals):
     if _float_out(eqn):
       _refuse(eqn, "a host callback returning floats computes them out of sight")
     return _bind(eqn, invals)
-  if name in ("conv_general_dilated",):
-    if _float_out(eqn):
-      _refuse(eqn, "float convolutions are not rewritten yet (write it as a product)")
-    return _bind(eqn, invals)
+  if name == "conv_general_dilated":
+    if not _float_out(eqn):
+      return _bind(eqn, invals)
+    if p["batch_group_count"] != 1:
+      _refuse(eqn, "a convolution with batch_group_count > 1 is not rewritten")
+    return [chain_conv(invals[0], invals[1], p["window_strides"], p["padding"],
+                       p["lhs_dilation"], p["rhs_dilation"], p["dimension_numbers"],
+                       p["feature_group_count"], _out_dtype(eqn))]
   if name in _LINALG:
     _refuse(eqn, "linear algebra kernels order their sums themselves")
   if name in ("pallas_call", "ffi_call", "custom_call", "tpu_custom_call", "mosaic_gpu_call",
@@ -599,7 +641,8 @@ def batch_invariant(fn: Callable) -> Callable:
   2x; see the module docstring.
 
   Refused (a `BatchInvariantError`, both `NotImplementedError` and `ValueError`, at trace time,
-  naming the primitive and the source line): float convolutions, FFTs, linear algebra, host
+  naming the primitive and the source line): FFTs, linear algebra, convolutions with
+  `batch_group_count` > 1 (which only gradients make), host
   callbacks returning floats (`pure_callback`, `io_callback`), custom kernels (`pallas_call`,
   `ffi_call`), float cross-device sums (`psum`, inside `shard_map`), a scatter-add with batching
   dims (`batch_invariant(vmap(f))` of a scatter-add: use `vmap(batch_invariant(f))`), and any

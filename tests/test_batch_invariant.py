@@ -182,6 +182,27 @@ def test_window_sums_with_padding_and_dilations_are_xlas():
     np.testing.assert_allclose(jax.jit(batch_invariant(f))(x), f(x), rtol=1e-6, atol=1e-6)
 
 
+def test_convolutions_as_patches_and_chains():
+  """Strides, padding, both dilations, feature groups, NHWC and NCW: XLA's values, no
+  convolution left, and an image's bits alone equal to its bits in a batch of 3."""
+  rng = np.random.default_rng(16)
+  cases = (
+      (lambda x, w: lax.conv_general_dilated(
+          x, w, (2, 1), ((1, 2), (0, 1)), lhs_dilation=(1, 2), rhs_dilation=(2, 1),
+          dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=2),
+       rng.standard_normal((3, 9, 11, 4)), rng.standard_normal((3, 2, 2, 6))),
+      (lambda x, w: lax.conv_general_dilated(x, w, (1,), "SAME"),
+       rng.standard_normal((3, 5, 20)), rng.standard_normal((7, 5, 3))),
+  )
+  for f, x, w in cases:
+    x, w = x.astype(np.float32), w.astype(np.float32)
+    conv = jax.jit(batch_invariant(f))
+    together = conv(x, w)
+    np.testing.assert_allclose(together, f(x, w), rtol=1e-5, atol=1e-5)
+    _assert_bitwise(together[1], conv(x[1:2], w)[0], "image 1")
+    assert unordered_sums(batch_invariant(f), x, w) == []
+
+
 def _padded_program(scores, x, v, w):
   """Reductions of one row over an axis whose ends may hold masked terms."""
   return {
@@ -385,8 +406,9 @@ def test_refuses_what_it_cannot_rewrite_by_name_and_line():
   _refused(lambda x: jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x), x,
            primitive="pure_callback")
   _refused(lambda x: jnp.fft.rfft(x).real, x, primitive="fft")
-  _refused(lambda x: lax.conv_general_dilated(x[None, None], jnp.ones((1, 1, 1, 3)), (1, 1),
-                                              "VALID"), x, primitive="conv_general_dilated")
+  _refused(lambda x: lax.conv_general_dilated(x[:, None, None, :], jnp.ones((2, 1, 1, 3)),
+                                              (1, 1), "VALID", batch_group_count=2), x,
+           primitive="conv_general_dilated")
   _refused(lambda x: jnp.linalg.cholesky(x[:, :2] @ x[:, :2].T + jnp.eye(2)), x,
            primitive="cholesky")
 
