@@ -45,9 +45,9 @@ Kept as they are: every elementwise and structural op on an explicit allow-list,
 reductions (`reduce_max`/`min`, `argmax`, integer sums and products, logical reductions),
 sorts. Everything else that may reorder float sums is refused at trace time with a
 `BatchInvariantError` (a `NotImplementedError`, a `ValueError` too) naming the primitive and
-the user's source line: FFT, linear algebra, convolutions with `batch_group_count` > 1, `pure_callback` and other
-host callbacks, `pallas_call` / `ffi_call` / custom calls, float collectives (`psum`), and any
-primitive not on the allow-list.
+the user's source line: FFT, linear algebra, convolutions with `batch_group_count` > 1,
+`pure_callback` and other host callbacks returning floats, `pallas_call` / `ffi_call` / custom
+calls, float collectives (`psum`), and any primitive not on the allow-list.
 
 Control flow is rewritten inside: `jit` (inlined), `scan`, `while`, `cond`/`switch`,
 `checkpoint`/`remat`, `shard_map` (float `psum` inside it is refused), `custom_jvp_call`/
