@@ -533,9 +533,18 @@ def _scatter_add(eqn, operand, indices, updates):
   """A float scatter-add, one update at a time in the order of the updates."""
   p = eqn.params
   dn = p["dimension_numbers"]
-  if dn.operand_batching_dims or dn.scatter_indices_batching_dims:
-    _refuse(eqn, "a scatter-add with batching dims (batch_invariant(vmap(f)) of a scatter-add; "
-            "use vmap(batch_invariant(f)))")
+  if dn.operand_batching_dims:
+    # Batching dims (vmap of a scatter) made explicit: each update's batch coordinates join its
+    # index vector, and the operand's batching dims become inserted window dims.
+    coords = [lax.broadcasted_iota(indices.dtype, indices.shape[:-1] + (1,), d)
+              for d in dn.scatter_indices_batching_dims]
+    indices = lax.concatenate([indices] + coords, indices.ndim - 1)
+    dn = lax.ScatterDimensionNumbers(
+        update_window_dims=dn.update_window_dims,
+        inserted_window_dims=tuple(sorted(dn.inserted_window_dims + dn.operand_batching_dims)),
+        scatter_dims_to_operand_dims=(tuple(dn.scatter_dims_to_operand_dims) +
+                                      tuple(dn.operand_batching_dims)),
+        operand_batching_dims=(), scatter_indices_batching_dims=())
   window = tuple(dn.update_window_dims)
   scatter_dims = tuple(d for d in range(updates.ndim) if d not in window)
   count = math.prod(updates.shape[d] for d in scatter_dims)
@@ -644,9 +653,8 @@ def batch_invariant(fn: Callable) -> Callable:
   naming the primitive and the source line): FFTs, linear algebra, convolutions with
   `batch_group_count` > 1 (which only gradients make), host
   callbacks returning floats (`pure_callback`, `io_callback`), custom kernels (`pallas_call`,
-  `ffi_call`), float cross-device sums (`psum`, inside `shard_map`), a scatter-add with batching
-  dims (`batch_invariant(vmap(f))` of a scatter-add: use `vmap(batch_invariant(f))`), and any
-  primitive not on the allow-list of elementwise, structural and exact operations.
+  `ffi_call`), float cross-device sums (`psum`, inside `shard_map`), and any primitive not on
+  the allow-list of elementwise, structural and exact operations.
 
   Args:
     fn: a function of arrays (pytrees in and out, positional or keyword arguments, all

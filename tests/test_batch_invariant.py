@@ -341,6 +341,18 @@ def test_vmap_either_side():
       _assert_bitwise(fn(x)[-1], alone[0], f"batch {batch}")
 
 
+def test_scatter_add_of_a_vmapped_function():
+  """`batch_invariant(vmap(f))` of a scatter-add (batching dims) with per-row indices."""
+  row_fn = lambda row, index: row.at[index].add(2.0 * row[:4])
+  fn = jax.jit(batch_invariant(jax.vmap(row_fn)))
+  rng = np.random.default_rng(17)
+  x = rng.standard_normal((7, 10)).astype(np.float32)
+  index = rng.integers(0, 3, (7, 4)).astype(np.int32)  # duplicates
+  together = fn(x, index)
+  np.testing.assert_allclose(together, jax.vmap(row_fn)(x, index), rtol=1e-6, atol=1e-6)
+  _assert_bitwise(together[5], fn(x[5:6], index[5:6])[0], "row 5")
+
+
 def test_custom_vjp_and_checkpoint_inside():
   """Their primal bodies are rewritten; the gradient uses the custom rule (plain function)."""
   @jax.custom_vjp
