@@ -662,6 +662,15 @@ def batch_invariant(fn: Callable) -> Callable:
 
   Returns:
     The batch-invariant function, with `fn`'s signature.
+
+  Example:
+    >>> import numpy as np
+    >>> from jaxdecode import batch_invariant
+    >>> probs = jax.jit(batch_invariant(lambda x, w: jax.nn.softmax(x @ w, axis=-1)))
+    >>> x = np.random.default_rng(0).standard_normal((7, 64)).astype(np.float32)
+    >>> w = np.random.default_rng(1).standard_normal((64, 100)).astype(np.float32)
+    >>> bool((probs(x, w)[3] == probs(x[3:4], w)[0]).all())  # row 3 alone: the same bits
+    True
   """
 
   @functools.wraps(fn)
