@@ -591,6 +591,23 @@ def _gpt2_runs(tokens_per_row, steps):
 
 
 @pytest.mark.slow
+def test_no_unordered_sum_left_in_the_gpt2_like_models_step():
+  """The model's decode step, lowered for cpu, cuda and tpu: every float sum has its order."""
+  pytest.importorskip("flax")
+  model = _gpt2_like()
+  tokens, mask = np.ones((3, 1), np.int32), np.ones((3, SLOTS), np.int32)
+  variables = model.init(jax.random.key(0), tokens, mask, tokens)
+
+  def step(variables, tokens, mask, positions):
+    return model.apply(variables, tokens, mask, positions, mutable=["cache"])
+
+  for platform in ("cpu", "cuda", "tpu"):
+    assert unordered_sums(step, variables, tokens, mask, tokens, platform=platform)
+    assert unordered_sums(batch_invariant(step), variables, tokens, mask, tokens,
+                          platform=platform) == []
+
+
+@pytest.mark.slow
 def test_needle_in_a_left_padded_batch_of_a_gpt2_like_flax_model():
   """A prompt alone and in a left-padded batch: bitwise the same logits, prefill and decode."""
   pytest.importorskip("flax")
