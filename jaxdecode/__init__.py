@@ -7,6 +7,7 @@ lives in `jaxdecode.models`, the command and its tools in `jaxdecode.tools`.
 from jaxdecode import metrics
 from jaxdecode import processors
 from jaxdecode import structured
+from jaxdecode.batch_invariant import batch_invariant
 from jaxdecode.beam import BeamOutput
 from jaxdecode.beam import beam_search
 from jaxdecode.decoding import DecodeOutput
@@ -36,6 +37,7 @@ __version__ = "0.2.0"
 __all__ = [
     "AuditReport",
     "audit",
+    "batch_invariant",
     "BeamOutput",
     "DecodeContext",
     "DecodeOutput",
