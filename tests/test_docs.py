@@ -1,6 +1,7 @@
 """The docstring examples are tests too."""
 
 import doctest
+import importlib
 
 import pytest
 
@@ -9,7 +10,9 @@ from jaxdecode import _checks, beam, decoding, params, processors, prompts, samp
 from jaxdecode.models import extras, tokenizer, transformer
 
 MODULES = [_checks, beam, decoding, extras, params, processors, prompts, sampling, structured,
-           tokenizer, transformer]
+           tokenizer, transformer,
+           # The module, not the function `jaxdecode.batch_invariant` exported under its name.
+           importlib.import_module("jaxdecode.batch_invariant")]
 
 
 @pytest.mark.slow
