@@ -3,16 +3,20 @@
 `process_logits` applies them in this order (`process_f32`):
 
 1. token sets: `banned_token_ids` -> -inf; a row with `allowed_token_ids` keeps only those;
+   then the bans that read the row's history: `no_repeat_ngram_size`, `bad_words`;
 2. the +inf rule: a row with +inf logits left is uniform over them (+inf -> 0, the rest -> -inf);
 3. `logit_bias`: added to the logits of its tokens;
 4. penalties, from each row's token counts: `repetition_penalty` (HF: a seen token's logit is
    divided by it if positive, multiplied if negative), then `frequency_penalty * count` and
    `presence_penalty * (count > 0)` are subtracted (OpenAI/vLLM);
-5. temperature; 6. top-k; 7. top-p; 8. min-p; 9. typical-p; 10. epsilon; 11. eta.
+5. top-nσ (`top_n_sigma`), on the logits the penalties left, before the temperature (as in
+   llama.cpp's chain): its kept set is the same at every temperature > 0;
+6. temperature; 7. top-k; 8. top-p; 9. min-p; 10. typical-p; 11. epsilon; 12. eta;
+13. XTC (`xtc_threshold`, `xtc_probability`), last, on the distribution every truncation left.
 
 Steps 1-4 change the logits that everything after them sees, greedy rows (temperature 0)
 included: a temperature-0 row takes the argmax of the biased and penalized logits. Each
-truncation (6-11) acts on the distribution left by the steps before it, renormalized.
+truncation (5, 7-13) acts on the distribution left by the steps before it, renormalized.
 
 The definitions of the truncations, stated once here (order-free, so that none of them needs a
 sort of the vocabulary; p is the row's distribution at that step, H = -sum_j p_j log p_j its
@@ -27,6 +31,27 @@ entropy in nats):
   token is always kept; it need not be the most probable).
 - epsilon keeps token i iff p_i >= epsilon_cutoff or p_i = max_j p_j.
 - eta keeps token i iff p_i >= min(eta, sqrt(eta) * exp(-H)) or p_i = max_j p_j.
+- top-nσ (Tang et al. 2024, "Top-nσ: Not All Logits Are You Need"; llama.cpp's
+  `llama_sampler_top_n_sigma`) keeps token i iff x_i >= max_j x_j - n·σ, σ the population
+  standard deviation of the row's finite logits (the -inf ones left out); n <= 0 keeps all, as
+  in llama.cpp. The statistics are taken on the row scaled by a power of two, so that rows near
+  the float32 range do not overflow.
+- XTC ("exclude top choices", llama.cpp's `llama_sampler_xtc`, from text-generation-webui): with
+  probability `xtc_probability` for that row and step, if at least two tokens have
+  p_i >= `xtc_threshold`, every one of them whose p is larger than the least p among them is
+  removed. Where several tie at that least probability, all of them stay: llama.cpp keeps the
+  one its sort puts last, which an order-free rule cannot name. A threshold > 0.5 is a no-op
+  (two tokens cannot both exceed it), as is probability 0. The coin is a uniform u of the
+  row's token key (`fold_in(row_key, t)` in the loops) folded with `XTC_SALT`, and XTC acts
+  iff u < probability: the token's own draw, from the key itself, is not disturbed. Without a
+  key (`process_logits` without `key=`, beam search) only rows with probability 1 act.
+- `no_repeat_ngram_size` = n (transformers' NoRepeatNGramLogitsProcessor) bans token v iff
+  the row's last n - 1 tokens followed by v form an n-gram that already occurs in the row's
+  tokens (n = 1: every token the row holds). The row's tokens are its history: the prompt
+  (when the loop is given `prompt_tokens`; padding never counts) and the new tokens.
+- `bad_words` (transformers' bad_words_ids, vLLM's bad_words) bans the last token of each
+  sequence whose other tokens are the row's last tokens; a one-token sequence is always
+  banned, like `banned_token_ids`.
 
 How the top-k, top-p and typical-p sets are found exactly without a sort is
 `jaxdecode.threshold`'s subject. On CPU and TPU a step that no row uses is skipped (a
@@ -61,7 +86,7 @@ from jaxdecode import _checks
 from jaxdecode import _platform
 from jaxdecode import _reduce
 from jaxdecode import threshold
-from jaxdecode.params import SamplingParams, as_field, check_eos_not_forced
+from jaxdecode.params import NGRAM_MAX, SamplingParams, as_field, check_eos_not_forced
 
 _NEG_INF = threshold.NEG_INF
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
@@ -99,6 +124,24 @@ def check_call(logits, params, counts, *, caller: str, loop: bool = False, eos_i
                      f"tokens each row has seen: pass counts=[B, V] to {caller} (see "
                      f"jaxdecode.token_counts), or use jaxdecode.decode, which carries them")
   return broadcast, counts
+
+
+def check_history(history, params: SamplingParams, batch: int, caller: str):
+  """int32[B, H] history, or None; ValueError if a rule reads the history and none is given."""
+  if history is None:
+    if params.reads_history():
+      raise ValueError(f"no_repeat_ngram_size and bad_words of two tokens or more act on the "
+                       f"tokens each row has seen: pass history=[B, H] to {caller} (each row's "
+                       f"tokens, oldest first, padded with -1 at the start), or use "
+                       f"jaxdecode.decode, which carries them")
+    return None
+  history = _checks.array("history", history, "an integer array [B, H]")
+  if jnp.ndim(history) != 2 or jnp.shape(history)[0] != batch or \
+      not jnp.issubdtype(jnp.result_type(history), jnp.integer):
+    raise ValueError(f"history must be an integer array [B, H] with B = {batch} (each row's "
+                     f"tokens, oldest first, padded with -1 at the start); got shape "
+                     f"{jnp.shape(history)} and dtype {jnp.result_type(history)}")
+  return jnp.asarray(history, jnp.int32)
 
 
 def token_counts(tokens, vocab_size: int, mask=None) -> jax.Array:
@@ -338,8 +381,134 @@ def apply_eta_cutoff(x: jax.Array, eta: jax.Array) -> jax.Array:
   return _cut_below(x, eta > 0, cutoff)
 
 
+def apply_top_n_sigma(x: jax.Array, n: jax.Array) -> jax.Array:
+  """top-nσ: keeps x_i >= max - n·σ, σ the population standard deviation of the row's finite
+  logits; n <= 0 keeps all.
+
+  The statistics run on the row scaled by a power of two, 2^-e with max |x| = m·2^e (m in
+  [0.5, 1); no scaling when max |x| < 1), so that rows near the float32 range do not overflow;
+  a power of two changes no comparison. Sums are `_reduce.row_sum`s (batch-invariant).
+  """
+  active = n > 0  # [B]
+
+  def cut(x):
+    finite = x > _NEG_INF  # NaN and +inf are gone by now
+    count = _reduce.row_sum(finite.astype(jnp.float32), keepdims=True)  # [B, 1]
+    largest = jnp.max(jnp.where(finite, jnp.abs(x), 0.0), axis=-1, keepdims=True)
+    _, e = jnp.frexp(largest)
+    e = jnp.maximum(e, 0)
+    # Two factors >= 2^-64, each a normal float32: x * 2^-e exactly, without a subnormal scale.
+    half = e // 2
+    scale_a = lax.bitcast_convert_type((127 - half) << 23, jnp.float32)  # 2^-half
+    scale_b = lax.bitcast_convert_type((127 - (e - half)) << 23, jnp.float32)
+    y = jnp.where(finite, (x * scale_a) * scale_b, 0.0)
+    safe_count = jnp.maximum(count, 1.0)
+    mean = _reduce.row_sum(y, keepdims=True) / safe_count
+    var = _reduce.row_sum(jnp.where(finite, jnp.square(y - mean), 0.0), keepdims=True) / safe_count
+    top = jnp.max(jnp.where(finite, y, _NEG_INF), axis=-1, keepdims=True)
+    cutoff = top - n[:, None] * jnp.sqrt(var)
+    return jnp.where(active[:, None] & finite & (y < cutoff), _NEG_INF, x)
+
+  return _platform.skip_unless(jnp.any(active), cut, x)
+
+
+XTC_SALT = 0x58544321  # XTC's draw: fold_in(the row's token key, XTC_SALT)
+
+
+def xtc_uniforms(keys: jax.Array) -> jax.Array:
+  """float32[B]: XTC's uniform of each row, from its token key folded with `XTC_SALT` (the
+  token's own draw, from the key itself, is not disturbed)."""
+  return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, XTC_SALT), (),
+                                               jnp.float32))(keys)
+
+
+def apply_xtc(x: jax.Array, threshold: jax.Array, probability: jax.Array,
+              u: jax.Array | None) -> jax.Array:
+  """XTC: where the row's uniform u < probability, if two or more tokens have p >= threshold,
+  removes those of them more probable than the least probable of them (ties at that least
+  probability all stay). u None: only rows with probability >= 1 act."""
+  coin = probability >= 1 if u is None else u < probability
+  active = (probability > 0) & (threshold <= 0.5) & coin  # [B]
+
+  def cut(x):
+    p, _, _ = distribution(x)
+    above = (p >= threshold[:, None]) & (x > _NEG_INF)
+    count = jnp.sum(above.astype(jnp.int32), axis=-1, keepdims=True)  # integers: exact
+    least = jnp.min(jnp.where(above, p, jnp.inf), axis=-1, keepdims=True)
+    remove = active[:, None] & (count >= 2) & above & (p > least)
+    return jnp.where(remove, _NEG_INF, x)
+
+  return _platform.skip_unless(jnp.any(active), cut, x)
+
+
+def ngram_bans(history: jax.Array, size: jax.Array) -> jax.Array:
+  """bool[B, H]: True at the history entries that `no_repeat_ngram_size` bans: history[j] where
+  the n - 1 tokens before it equal the row's last n - 1 tokens (n = size[b]; n = 1 bans every
+  token of the history; n <= 0 nothing). history: int32[B, H], padded with negative ids at the
+  start.
+
+  run[j], the length of the common suffix of history[:j] and the whole history, counted up to
+  NGRAM_MAX - 1 by static shifts: O(H · NGRAM_MAX), no data-dependent loop.
+  """
+  batch, width = history.shape
+  run = jnp.zeros(history.shape, jnp.int32)
+  alive = jnp.ones(history.shape, bool)
+  for i in range(1, min(NGRAM_MAX - 1, width) + 1):
+    before = jnp.pad(history, ((0, 0), (i, 0)), constant_values=-1)[:, :width]  # history[j - i]
+    last = history[:, width - i][:, None]  # history[H - i]
+    alive = alive & (before == last) & (last >= 0)
+    run = run + alive.astype(jnp.int32)
+  n = size[:, None]
+  return (history >= 0) & (n >= 1) & (run >= n - 1)
+
+
+def bad_word_bans(history: jax.Array, words: jax.Array) -> jax.Array:
+  """int32[B, K]: the last id of each bad word whose other ids end the history; -1 otherwise.
+
+  words: int32[B, K, M], each sequence padded with -1 at its end (an empty one bans nothing);
+  history: int32[B, H] as in `ngram_bans` (H may be 0: then only one-token words are banned).
+  """
+  width = history.shape[1]
+  length = jnp.sum((words >= 0).astype(jnp.int32), axis=-1)  # [B, K]
+  ok = length >= 1
+  for q in range(words.shape[-1] - 1):  # the q-th id of the prefix against the history
+    needed = q < length - 1
+    at = width - (length - 1) + q  # [B, K]: where it must stand in the history
+    if width:
+      seen = jnp.take_along_axis(history, jnp.clip(at, 0, width - 1), axis=1)
+      match = (at >= 0) & (seen == words[:, :, q])
+    else:
+      match = jnp.zeros(at.shape, bool)
+    ok = ok & (~needed | match)
+  last = jnp.take_along_axis(words, jnp.maximum(length - 1, 0)[:, :, None], axis=2)[:, :, 0]
+  return jnp.where(ok, last, -1)
+
+
+def apply_history_bans(x: jax.Array, history: jax.Array | None, ngram: jax.Array,
+                       words: jax.Array) -> jax.Array:
+  """`no_repeat_ngram_size` and `bad_words`: the tokens they ban become -inf."""
+  vocab = x.shape[-1]
+  batch = x.shape[0]
+  if history is None:
+    history = jnp.zeros((batch, 0), jnp.int32)
+  rows = lax.broadcasted_iota(jnp.int32, (batch, 1), 0)
+
+  def ban_ngrams(x):
+    ids = jnp.where(ngram_bans(history, ngram), history, vocab)
+    return x.at[rows, valid_ids(ids, vocab)].set(_NEG_INF, mode="drop")
+
+  def ban_words(x):
+    ids = bad_word_bans(history, words)
+    return x.at[rows, valid_ids(ids, vocab)].set(_NEG_INF, mode="drop")
+
+  if history.shape[1]:
+    x = _platform.skip_unless(jnp.any(ngram > 0), ban_ngrams, x)
+  return _platform.skip_unless(jnp.any(words >= 0), ban_words, x)
+
+
 def process_f32(logits: jax.Array, params: SamplingParams,
-                counts: jax.Array | None = None) -> jax.Array:
+                counts: jax.Array | None = None, keys: jax.Array | None = None,
+                history: jax.Array | None = None) -> jax.Array:
   """The whole chain, in this module's order, on logits of any float dtype; float32 out.
 
   Args:
@@ -347,24 +516,33 @@ def process_f32(logits: jax.Array, params: SamplingParams,
     params: `SamplingParams` after `broadcast(B)` and `sanitized()`.
     counts: int32[B, V] token counts for the penalties, or None (no token seen yet: the
       penalties change nothing).
+    keys: typed keys [B], the keys the rows' tokens are drawn with; XTC draws its uniform from
+      `fold_in(keys[b], XTC_SALT)`. None: XTC acts on the rows whose probability is >= 1 only.
+    history: int32[B, H], each row's tokens so far, oldest first, its newest at H - 1, padded
+      with negative ids at the start (`no_repeat_ngram_size`, `bad_words`), or None (no token
+      yet: the rules that read it ban only one-token bad words).
   """
-  return _platform.by_platform(_process_f32, logits, params, counts)
+  u = None if keys is None else xtc_uniforms(keys)
+  return _platform.by_platform(_process_f32, logits, params, counts, u, history)
 
 
-def _process_f32(logits, params, counts):
+def _process_f32(logits, params, counts, u, history):
   x = remove_nan(logits)
   x = apply_token_sets(x, params.banned_token_ids, params.allowed_token_ids)
+  x = apply_history_bans(x, history, params.no_repeat_ngram_size, params.bad_words)
   x = apply_pos_inf_rule(x)
   x = apply_logit_bias(x, *params.logit_bias)
   if counts is not None:
     x = apply_penalties(x, counts, params.repetition_penalty, params.presence_penalty,
                         params.frequency_penalty)
+  x = apply_top_n_sigma(x, params.top_n_sigma)
   x = apply_temperature(x, params.temperature)
   x = apply_top_k_top_p(x, params.top_k, params.top_p)
   x = apply_min_p(x, params.min_p)
   x = apply_typical_p(x, params.typical_p)
   x = apply_epsilon_cutoff(x, params.epsilon_cutoff)
-  return apply_eta_cutoff(x, params.eta_cutoff)
+  x = apply_eta_cutoff(x, params.eta_cutoff)
+  return apply_xtc(x, params.xtc_threshold, params.xtc_probability, u)
 
 
 def cast_saturating(x: jax.Array, dtype) -> jax.Array:
@@ -387,11 +565,24 @@ def cast_saturating(x: jax.Array, dtype) -> jax.Array:
 
 
 @jax.jit
-def _process_logits(logits, params, counts):
-  return cast_saturating(process_f32(logits, params.sanitized(), counts), logits.dtype)
+def _process_logits(logits, params, counts, key, history):
+  keys = None if key is None else row_keys(key, logits.shape[0])
+  return cast_saturating(process_f32(logits, params.sanitized(), counts, keys, history),
+                         logits.dtype)
 
 
-def process_logits(logits: jax.Array, params: SamplingParams, *, counts=None) -> jax.Array:
+def row_keys(key, batch_size: int) -> jax.Array:
+  """Typed keys `[batch_size]`, one per row, following the key policy (`jaxdecode.sampling`)."""
+  if not jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
+    key = jax.random.wrap_key_data(key)
+  if key.shape == ():
+    return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(batch_size,
+                                                                      dtype=jnp.uint32))
+  return key
+
+
+def process_logits(logits: jax.Array, params: SamplingParams, *, counts=None, key=None,
+                   history=None) -> jax.Array:
   """Applies the whole chain of `params` to `[B, V]` logits (order: this module's docstring).
 
   Args:
@@ -400,6 +591,11 @@ def process_logits(logits: jax.Array, params: SamplingParams, *, counts=None) ->
       here (it needs `decode`'s EOS ids and step).
     counts: `int[B, V]`, how often each row has seen each token (`jaxdecode.token_counts`);
       needed when a penalty is set.
+    key: one key or one per row (the key policy of `jaxdecode.sample`): XTC's draw comes from
+      each row's key folded with `XTC_SALT`. Needed when a row has 0 < xtc_probability < 1;
+      without it only rows with xtc_probability 1 apply XTC.
+    history: `int[B, H]`, each row's tokens so far, oldest first, padded with -1 at the start;
+      needed by `no_repeat_ngram_size` and `bad_words` of two tokens or more.
 
   Returns:
     `[B, V]` logits of the input dtype: the processed distribution is their softmax; removed
@@ -418,7 +614,14 @@ def process_logits(logits: jax.Array, params: SamplingParams, *, counts=None) ->
   """
   params, counts = check_call(logits, params, counts, caller="process_logits")
   no_min_new_tokens(params, "process_logits")
-  return _process_logits(jnp.asarray(logits), params, counts)
+  batch = jnp.shape(logits)[0]
+  history = check_history(history, params, batch, "process_logits")
+  if key is None and params.draws_xtc():
+    raise ValueError("xtc_probability between 0 and 1 draws whether XTC acts on a row: pass "
+                     "key= to process_logits (one key, or one per row)")
+  if key is not None:
+    _checks.key(key, batch)
+  return _process_logits(jnp.asarray(logits), params, counts, key, history)
 
 
 def no_min_new_tokens(params: SamplingParams, caller: str) -> None:

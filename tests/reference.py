@@ -5,6 +5,8 @@ float64 can disagree on a token (its quantity is within `TOL` of the cut), the t
 as ambiguous, and tests compare only the others.
 """
 
+import math
+
 import numpy as np
 
 TOL = 1e-5
@@ -299,3 +301,70 @@ def every_sequence(next_logprobs, *, max_new_tokens, eos_ids=(), length_penalty=
       else:
         prefixes.append((toks, total))
   return sorted(done, key=lambda h: (-h[0], len(h[1]), h[1])), widest, dead_end
+
+
+# ---------------------------------------------------------------------------------------------
+# The samplers of llama.cpp / transformers beyond the truncations above, from their published
+# definitions, in plain Python over float64 (one row; inputs already free of NaN and +inf).
+
+
+def top_n_sigma_keep(x, n):
+  """(keep, ambiguous): llama.cpp's top-nσ. n <= 0 keeps all; otherwise keep i iff
+  x_i >= max - n·σ, σ the population standard deviation of the finite logits."""
+  x = [float(v) for v in x]
+  finite = [v for v in x if v != -math.inf]
+  if n <= 0 or not finite:
+    return np.ones(len(x), bool), np.zeros(len(x), bool)
+  # Scaled by the largest magnitude, so that 1e38 rows do not overflow in float64 either.
+  scale = max(abs(v) for v in finite) or 1.0
+  ys = [v / scale for v in finite]
+  mean = sum(ys) / len(ys)
+  sigma = math.sqrt(sum((y - mean) ** 2 for y in ys) / len(ys))
+  cut = max(ys) - n * sigma
+  keep = np.array([v != -math.inf and v / scale >= cut for v in x])
+  ambiguous = np.array([v != -math.inf and abs(v / scale - cut) <= 1e-5 * (1 + abs(cut))
+                        for v in x])
+  return keep, ambiguous
+
+
+def xtc_keep(x, threshold, applies=True):
+  """(keep, ambiguous): llama.cpp's XTC when its coin says so (`applies`): if at least two
+  tokens have p >= threshold, remove those above the least probable of them (all tokens tied at
+  that least probability stay). threshold > 0.5 never removes anything."""
+  probs = softmax64(x)
+  size = len(probs)
+  if not applies or threshold > 0.5:
+    return np.ones(size, bool), np.zeros(size, bool)
+  selectable = [i for i in range(size) if x[i] != -np.inf]
+  above = [i for i in selectable if probs[i] >= threshold]
+  ambiguous = np.array([x[i] != -np.inf and abs(probs[i] - threshold) <= 1e-5
+                        for i in range(size)])
+  if len(above) < 2:
+    return np.ones(size, bool), ambiguous
+  least = min(probs[i] for i in above)
+  keep = np.array([not (i in above and probs[i] > least) for i in range(size)])
+  return keep, ambiguous
+
+
+def no_repeat_ngram_banned(tokens, n):
+  """transformers' NoRepeatNGramLogitsProcessor on one row's tokens (a list): the set of ids
+  that would complete an n-gram already in them."""
+  if n <= 0 or len(tokens) + 1 < n:
+    return set()
+  grams = {}
+  for i in range(len(tokens) - n + 1):
+    gram = tuple(tokens[i:i + n])
+    grams.setdefault(gram[:-1], set()).add(gram[-1])
+  return grams.get(tuple(tokens[len(tokens) - n + 1:]) if n > 1 else (), set())
+
+
+def bad_words_banned(tokens, words):
+  """transformers' NoBadWordsLogitsProcessor on one row: the last id of each word whose other
+  ids are the row's last tokens (a one-token word always)."""
+  banned = set()
+  for word in words:
+    prefix = list(word[:-1])
+    if not prefix or (len(prefix) <= len(tokens) and list(tokens[len(tokens) - len(prefix):])
+                      == prefix):
+      banned.add(word[-1])
+  return banned
