@@ -46,6 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--typical-p", type=number, default=1.0)
   g.add_argument("--epsilon-cutoff", type=number, default=0.0)
   g.add_argument("--eta-cutoff", type=number, default=0.0)
+  g.add_argument("--top-n-sigma", type=number, default=0.0, metavar="N",
+                 help="keep the tokens whose logit is within N standard deviations of the "
+                      "largest (llama.cpp's top-nσ; <= 0 off)")
+  g.add_argument("--xtc-threshold", type=number, default=0.1, metavar="P",
+                 help="XTC: the probability from which tokens count as top choices")
+  g.add_argument("--xtc-probability", type=number, default=0.0, metavar="P",
+                 help="XTC: how often a step excludes its top choices but the least probable "
+                      "(0 off)")
+  g.add_argument("--no-repeat-ngram-size", type=integer, default=0, metavar="N",
+                 help="never repeat an n-gram of the prompt and new text (transformers'; 0 off)")
+  g.add_argument("--bad-word", action="append", default=None, metavar="TEXT",
+                 help="never produce TEXT (its tokens as one banned sequence; repeatable)")
   g.add_argument("--repetition-penalty", type=number, default=1.0,
                  help="HF's rule: > 1 discourages tokens already seen")
   g.add_argument("--presence-penalty", type=number, default=0.0)
@@ -163,7 +175,19 @@ def _load_model(path):
 
 
 _CONTROL = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_new_tokens": 0}
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_new_tokens": 0,
+            "top_n_sigma": 0.0, "xtc_threshold": 0.1, "xtc_probability": 0.0,
+            "no_repeat_ngram_size": 0}
+
+
+def _bad_words(texts) -> list | None:
+  """--bad-word TEXTs -> token sequences (the embedded byte tokenizer's, no BOS)."""
+  if not texts:
+    return None
+  for text in texts:
+    if not text:
+      raise ValueError("--bad-word needs some text; got an empty one")
+  return [models.ByteTokenizer().encode(text, bos=False) for text in texts]
 
 
 def _generate(args) -> None:
@@ -190,7 +214,7 @@ def _generate(args) -> None:
   control = {name: getattr(args, name) for name in _CONTROL if getattr(args, name) !=
              _CONTROL[name]}
   params = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=top_p,
-                          min_p=args.min_p, **control)
+                          min_p=args.min_p, bad_words=_bad_words(args.bad_word), **control)
   if args.draft is None and args.num_draft_tokens != 4:
     raise ValueError("--num-draft-tokens applies to speculative decoding: add --draft")
   if args.draft is not None and beams is not None:
@@ -254,6 +278,7 @@ def _generate(args) -> None:
         ("min_p", args.min_p, 0.0)) if value != off)
   settings += "".join(f" {k}={v:g}" for k, v in control.items()) + (
       " penalize_prompt" if args.penalize_prompt else "")
+  settings += f" bad_words={args.bad_word!r}" if args.bad_word else ""
   settings += (f" n={args.n}" if args.n > 1 else "") + (
       f" stop={args.stop!r}" if args.stop else "")
   if args.draft is not None:
