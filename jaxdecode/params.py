@@ -76,6 +76,11 @@ _FIELDS = (
     _Field("xtc_probability", 0.0, False,
            "a number with 0 <= xtc_probability <= 1 (0 disables XTC)",
            lambda v: (v >= 0) & (v <= 1)),
+    _Field("dynatemp_range", 0.0, False,
+           "a finite number >= 0 (0 disables dynamic temperature)",
+           lambda v: np.isfinite(v) & (v >= 0)),
+    _Field("dynatemp_exponent", 1.0, False, "a finite number >= 0",
+           lambda v: np.isfinite(v) & (v >= 0)),
     _Field("no_repeat_ngram_size", 0, True,
            f"an integer with 0 <= no_repeat_ngram_size <= {NGRAM_MAX} (0 disables)",
            lambda v: (v >= 0) & (v <= NGRAM_MAX)),
@@ -382,6 +387,10 @@ class SamplingParams:
       `xtc_probability` per row and step, when at least two tokens have p >= `xtc_threshold`,
       remove all of them but the least probable. probability 0 (the default) or threshold
       > 0.5 disables.
+    dynatemp_range, dynatemp_exponent: dynamic temperature (llama.cpp): a row's temperature
+      becomes T_min + (T_max - T_min)·(H / log N)^exponent with T_min = max(0, T - range),
+      T_max = T + range, H the entropy and N the selectable tokens of the row at that point of
+      the chain; range 0 (the default) disables; temperature-0 rows stay greedy.
     no_repeat_ngram_size: ban every token that would complete an n-gram the row already holds
       (transformers); 0 disables. Needs the row's history (`decode` has it).
     bad_words: token-id sequences, each banned where the row's last tokens equal it without its
@@ -428,6 +437,8 @@ class SamplingParams:
   top_n_sigma: jax.Array
   xtc_threshold: jax.Array
   xtc_probability: jax.Array
+  dynatemp_range: jax.Array
+  dynatemp_exponent: jax.Array
   no_repeat_ngram_size: jax.Array
   bad_words: jax.Array  # int32 [K, M] or [B, K, M], each sequence padded with -1 at its end
 
@@ -436,13 +447,15 @@ class SamplingParams:
                typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, min_new_tokens=0,
                logit_bias=None, banned_token_ids=None, allowed_token_ids=None,
                top_n_sigma=0.0, xtc_threshold=0.1, xtc_probability=0.0,
-               no_repeat_ngram_size=0, bad_words=None):
+               dynatemp_range=0.0, dynatemp_exponent=1.0, no_repeat_ngram_size=0,
+               bad_words=None):
     values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                   frequency_penalty=frequency_penalty, typical_p=typical_p,
                   epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
                   min_new_tokens=min_new_tokens, top_n_sigma=top_n_sigma,
                   xtc_threshold=xtc_threshold, xtc_probability=xtc_probability,
+                  dynatemp_range=dynatemp_range, dynatemp_exponent=dynatemp_exponent,
                   no_repeat_ngram_size=no_repeat_ngram_size)
     converted = {field.name: _convert(field, values[field.name]) for field in _FIELDS}
     converted["logit_bias"] = _convert_bias(logit_bias)
@@ -587,6 +600,8 @@ class SamplingParams:
     - top_n_sigma: NaN -> 0 (disabled); clipped to the finite float32 range;
     - xtc_threshold: NaN -> 1 (disabled), clipped to [0, 1]; xtc_probability: NaN -> 0
       (disabled), clipped to [0, 1];
+    - dynatemp_range: NaN or < 0 -> 0 (disabled), +inf -> the largest float32;
+      dynatemp_exponent: NaN -> 1, clipped to [0, the largest float32];
     - no_repeat_ngram_size: < 0 -> 0 (disabled), > NGRAM_MAX -> NGRAM_MAX.
     """
     def disabled_if_nan(v, off, lo, hi):
@@ -613,6 +628,8 @@ class SamplingParams:
         top_n_sigma=finite(self.top_n_sigma),
         xtc_threshold=disabled_if_nan(self.xtc_threshold, 1.0, 0.0, 1.0),
         xtc_probability=disabled_if_nan(self.xtc_probability, 0.0, 0.0, 1.0),
+        dynatemp_range=disabled_if_nan(self.dynatemp_range, 0.0, 0.0, _F32_MAX),
+        dynatemp_exponent=disabled_if_nan(self.dynatemp_exponent, 1.0, 0.0, _F32_MAX),
         no_repeat_ngram_size=jnp.clip(self.no_repeat_ngram_size, 0, NGRAM_MAX))
 
   def rows(self, index) -> "SamplingParams":

@@ -11,7 +11,7 @@
    `presence_penalty * (count > 0)` are subtracted (OpenAI/vLLM);
 5. top-nσ (`top_n_sigma`), on the logits the penalties left, before the temperature (as in
    llama.cpp's chain): its kept set is the same at every temperature > 0;
-6. temperature; 7. top-k; 8. top-p; 9. min-p; 10. typical-p; 11. epsilon; 12. eta;
+6. temperature, or dynamic temperature (`dynatemp_range` > 0); 7. top-k; 8. top-p; 9. min-p; 10. typical-p; 11. epsilon; 12. eta;
 13. XTC (`xtc_threshold`, `xtc_probability`), last, on the distribution every truncation left.
 
 Steps 1-4 change the logits that everything after them sees, greedy rows (temperature 0)
@@ -45,6 +45,13 @@ entropy in nats):
   row's token key (`fold_in(row_key, t)` in the loops) folded with `XTC_SALT`, and XTC acts
   iff u < probability: the token's own draw, from the key itself, is not disturbed. Without a
   key (`process_logits` without `key=`, beam search) only rows with probability 1 act.
+- dynamic temperature (llama.cpp's `llama_sampler_temp_ext`, from "entropy-based dynamic
+  temperature", Zhu et al. 2024 / kalomaze): a row with temperature T > 0 and
+  `dynatemp_range` r > 0 is divided by T_min + (T_max - T_min)·(H / log N)^`dynatemp_exponent`
+  instead of T, with T_min = max(0, T - r), T_max = T + r, H the entropy of its distribution at
+  that point (after the penalties and top-nσ) and N its number of selectable tokens; a
+  row with one selectable token is left as it is; T = 0 rows stay greedy; a dynamic
+  temperature of 0 makes the row greedy.
 - `no_repeat_ngram_size` = n (transformers' NoRepeatNGramLogitsProcessor) bans token v iff
   the row's last n - 1 tokens followed by v form an n-gram that already occurs in the row's
   tokens (n = 1: every token the row holds). The row's tokens are its history: the prompt
@@ -412,6 +419,28 @@ def apply_top_n_sigma(x: jax.Array, n: jax.Array) -> jax.Array:
   return _platform.skip_unless(jnp.any(active), cut, x)
 
 
+def dynamic_temperature(x: jax.Array, t: jax.Array, spread: jax.Array,
+                        exponent: jax.Array) -> jax.Array:
+  """float32[B]: each row's temperature; where `spread` (dynatemp_range) > 0 and t > 0,
+  T_min + (T_max - T_min)·(H / log N)^exponent (T_min = max(0, t - spread), T_max = t +
+  spread, capped at the largest float32), H the entropy of softmax(x) and N its selectable
+  tokens; H / log N is clipped to [0, 1] (float32 rounding can pass 1). A row with at most one
+  selectable token gets 1: it is left as it is."""
+  active = (spread > 0) & (t > 0)  # [B]
+
+  def work():
+    _, _, entropy = distribution(x)  # [B, 1]
+    count = jnp.sum((x > _NEG_INF).astype(jnp.int32), axis=-1)  # integers: exact
+    log_n = jnp.log(jnp.maximum(count, 2).astype(jnp.float32))
+    normalized = jnp.clip(entropy[:, 0] / log_n, 0.0, 1.0)
+    low = jnp.maximum(t - spread, 0.0)
+    high = jnp.minimum(t + spread, _F32_MAX)
+    dynamic = low + (high - low) * jnp.power(normalized, exponent)
+    return jnp.where(active, jnp.where(count > 1, dynamic, 1.0), t)
+
+  return _platform.when(jnp.any(active), work, lambda: t)
+
+
 XTC_SALT = 0x58544321  # XTC's draw: fold_in(the row's token key, XTC_SALT)
 
 
@@ -536,7 +565,9 @@ def _process_f32(logits, params, counts, u, history):
     x = apply_penalties(x, counts, params.repetition_penalty, params.presence_penalty,
                         params.frequency_penalty)
   x = apply_top_n_sigma(x, params.top_n_sigma)
-  x = apply_temperature(x, params.temperature)
+  t = dynamic_temperature(x, params.temperature, params.dynatemp_range,
+                          params.dynatemp_exponent)
+  x = apply_temperature(x, t)
   x = apply_top_k_top_p(x, params.top_k, params.top_p)
   x = apply_min_p(x, params.min_p)
   x = apply_typical_p(x, params.typical_p)

@@ -368,3 +368,24 @@ def bad_words_banned(tokens, words):
                       == prefix):
       banned.add(word[-1])
   return banned
+
+
+def dynatemp_logits(x, temperature, spread, exponent):
+  """llama.cpp's dynamic temperature (llama_sampler_temp_ext) on one row, in float64: divide by
+  T_min + (T_max - T_min)·(H / log N)^exponent, N the selectable tokens (one: unchanged)."""
+  x = np.asarray(x, np.float64)
+  selectable = [v for v in x if v != -np.inf]
+  if spread <= 0 or temperature <= 0 or len(selectable) <= 1:
+    return x if spread > 0 and temperature > 0 else x / temperature
+  probs = softmax64(x)
+  entropy = -sum(p * math.log(p) for p in probs if p > 0)
+  low, high = max(0.0, temperature - spread), temperature + spread
+  t = low + (high - low) * min(entropy / math.log(len(selectable)), 1.0) ** exponent
+  if t == 0:  # greedy: a point mass on the first largest logit, its value kept
+    out = np.full(x.size, -np.inf)
+    out[first_argmax(x)] = x[first_argmax(x)]
+    return out
+  scaled = x / t
+  if np.any(np.abs(scaled[np.isfinite(x)]) > np.finfo(np.float32).max):
+    scaled = (x - x.max()) / t  # what float32 does instead of overflowing (processors docs)
+  return np.where(scaled < -np.finfo(np.float32).max, -np.inf, scaled)  # float32: -inf there

@@ -186,6 +186,7 @@ def test_the_sampling_chain_is_the_same_in_both_formulations():
       epsilon_cutoff=pick(0, 1e-3), eta_cutoff=pick(0, 1e-3), repetition_penalty=pick(1, 1.3),
       presence_penalty=pick(0, 0.5), logit_bias={3: 2.0, 7: -100.0}, banned_token_ids=[11],
       top_n_sigma=pick(0, 1, 2.5), xtc_threshold=pick(0.01, 0.1, 0.6), xtc_probability=pick(0, 1),
+      dynatemp_range=pick(0, 0.5, 2), dynatemp_exponent=pick(0, 1, 2),
       no_repeat_ngram_size=jnp.asarray(rng.choice([0, 1, 2, 3], batch), jnp.int32),
       bad_words=[[5, 6], [7, 8, 9], [10]])
   counts = jnp.asarray(rng.integers(0, 3, (batch, vocab)), jnp.int32)

@@ -1,4 +1,4 @@
-"""top-nσ, XTC, no_repeat_ngram_size and bad_words: exact against the plain-Python references
+"""top-nσ, XTC, dynamic temperature, no_repeat_ngram_size and bad_words: exact against the plain-Python references
 of tests/reference.py on hostile rows, and composed with every loop (decode, speculative,
 beam search) with rows bitwise the same alone and batched."""
 
@@ -119,6 +119,29 @@ def test_xtc_with_probability_one_matches_llama_cpp_and_keeps_ties_at_the_least_
   np.testing.assert_array_equal(off, chain(ROWS, SamplingParams()))
 
 
+def test_dynamic_temperature_matches_llama_cpp_on_hostile_rows():
+  rng = np.random.default_rng(5)
+  temperature = rng.choice([0.3, 0.8, 1.0, 1.5], 14).astype(np.float32)
+  spread = rng.choice([0.2, 0.5, 1.0, 2.0], 14).astype(np.float32)
+  exponent = rng.choice([0.0, 0.5, 1.0, 2.0], 14).astype(np.float32)
+  out = chain(ROWS, SamplingParams(temperature=temperature, dynatemp_range=spread,
+                                   dynatemp_exponent=exponent))
+  for r, row in enumerate(ROWS):
+    clean = hygiene(row)
+    expected = ref.dynatemp_logits(clean, float(temperature[r]), float(spread[r]),
+                                   float(exponent[r]))
+    np.testing.assert_array_equal(kept(out[r]), np.isfinite(expected), err_msg=f"row {r}")
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(out[r][finite], expected[finite], rtol=2e-5, err_msg=f"row {r}")
+  # Range 0 is plain temperature, bit for bit; a spread that reaches 0 at zero entropy makes a
+  # one-hot row greedy; a temperature-0 row stays greedy.
+  np.testing.assert_array_equal(
+      chain(ROWS, SamplingParams(temperature=temperature, dynatemp_range=0.0)),
+      chain(ROWS, SamplingParams(temperature=temperature)))
+  greedy = chain(ROWS, SamplingParams(temperature=0.0, dynatemp_range=1.0))
+  np.testing.assert_array_equal(greedy, chain(ROWS, SamplingParams(temperature=0.0)))
+
+
 N_DRAWS = 20_000
 
 
@@ -144,6 +167,30 @@ def test_xtc_coin_comes_from_the_row_key_folded_with_its_own_constant():
   assert counts[expected == 0].sum() == 0
   assert stats.chisquare(counts[expected > 0], N_DRAWS * expected[expected > 0]).pvalue > 1e-3
   assert abs(acted.mean() - 0.4) < 0.02
+
+
+@pytest.mark.slow
+def test_sampled_frequencies_match_the_reference_with_bans_top_n_sigma_and_dynatemp():
+  row = np.array([2.0, 1.2, 1.2, 0.5, 0.0, -0.4, -1.0, -INF, -2.5, 0.9, -3.0, 1.5], np.float32)
+  history = np.array([[-1, 4, 9, 4, 9]], np.int32)  # bans 4 (bad word 9 -> 4), 4 (2-gram 9 4)
+  params = SamplingParams(top_n_sigma=1.2, dynatemp_range=0.6, dynatemp_exponent=1.5,
+                          no_repeat_ngram_size=2, bad_words=[[9, 1], [11]])
+  x = row.astype(np.float64)
+  banned = ref.no_repeat_ngram_banned([4, 9, 4, 9], 2) | ref.bad_words_banned([4, 9, 4, 9],
+                                                                            [[9, 1], [11]])
+  assert banned == {4, 1, 11}
+  x[sorted(banned)] = -INF
+  x = np.where(ref.top_n_sigma_keep(x, 1.2)[0], x, -INF)
+  expected = ref.softmax64(ref.dynatemp_logits(x, 1.0, 0.6, 1.5))
+  assert 2 < (expected > 0).sum() < 8
+  logits = jnp.broadcast_to(jnp.asarray(row), (N_DRAWS, row.size))
+  tokens, logprobs = jaxdecode.sample_with_logprobs(
+      jax.random.key(12), logits, params, history=np.broadcast_to(history, (N_DRAWS, 5)))
+  counts = np.bincount(np.asarray(tokens), minlength=row.size)
+  assert counts[expected == 0].sum() == 0
+  assert stats.chisquare(counts[expected > 0], N_DRAWS * expected[expected > 0]).pvalue > 1e-3
+  np.testing.assert_allclose(np.asarray(logprobs), np.log(expected[np.asarray(tokens)]),
+                             atol=2e-5)
 
 
 def left_padded(histories, width):
@@ -186,6 +233,8 @@ def test_no_repeat_ngram_and_bad_words_match_transformers_on_hostile_histories()
     ("xtc_probability", -0.1, "0 <= xtc_probability <= 1"),
     ("xtc_probability", float("nan"), "got nan"),
     ("no_repeat_ngram_size", -1, "0 <= no_repeat_ngram_size <= 32"),
+    ("dynatemp_range", -0.5, "dynatemp_range must be a finite number >= 0"),
+    ("dynatemp_exponent", float("inf"), "got inf"),
     ("no_repeat_ngram_size", 33, "got 33"),
     ("no_repeat_ngram_size", 2.0, "pass integers"),
     ("bad_words", [[1, -2]], "token ids"),
@@ -228,6 +277,8 @@ LOOP_PARAMS = SamplingParams(
     top_n_sigma=np.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.5], np.float32),
     xtc_threshold=np.array([0.1, 0.1, 0.05, 0.1, 0.1, 0.08], np.float32),
     xtc_probability=np.array([0.0, 0.0, 0.6, 0.0, 0.0, 0.5], np.float32),
+    dynatemp_range=np.array([0.0, 0.5, 0.0, 0.0, 0.3, 0.0], np.float32),
+    dynatemp_exponent=np.array([1.0, 2.0, 1.0, 1.0, 0.5, 1.0], np.float32),
     no_repeat_ngram_size=np.array([2, 0, 0, 1, 3, 2], np.int32),
     bad_words=[[[1, 2, 3]], None, None, [[2, 5]], [[0, 7, 0]], [[3, 3], [10]]])
 
@@ -319,7 +370,8 @@ def test_speculative_equals_decode_bitwise_with_the_new_rules():
 @pytest.mark.slow
 def test_beam_search_bans_repeated_ngrams_and_bad_words_and_refuses_an_xtc_coin():
   logits, state, positions = toy_model.prefill_bigram(BIGRAM, PROMPTS[:3], 32)
-  params = SamplingParams(no_repeat_ngram_size=2, bad_words=[[1, 2, 3], [4, 4]])
+  params = SamplingParams(no_repeat_ngram_size=2, bad_words=[[1, 2, 3], [4, 4]],
+                          top_n_sigma=2.0, dynatemp_range=0.5, xtc_probability=1.0)
   out = jaxdecode.beam_search(STEP, state, logits, beam_size=3, max_new_tokens=8,
                               positions=positions, params=params,
                               prompt_tokens=prompt_array()[:3])

@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--xtc-probability", type=number, default=0.0, metavar="P",
                  help="XTC: how often a step excludes its top choices but the least probable "
                       "(0 off)")
+  g.add_argument("--dynatemp-range", type=number, default=0.0, metavar="R",
+                 help="dynamic temperature: from T - R (confident steps) to T + R (uncertain "
+                      "ones), by the step's normalized entropy (0 off)")
+  g.add_argument("--dynatemp-exponent", type=number, default=1.0, metavar="E",
+                 help="dynamic temperature: the power of the normalized entropy")
   g.add_argument("--no-repeat-ngram-size", type=integer, default=0, metavar="N",
                  help="never repeat an n-gram of the prompt and new text (transformers'; 0 off)")
   g.add_argument("--bad-word", action="append", default=None, metavar="TEXT",
@@ -177,6 +182,7 @@ def _load_model(path):
 _CONTROL = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0,
             "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_new_tokens": 0,
             "top_n_sigma": 0.0, "xtc_threshold": 0.1, "xtc_probability": 0.0,
+            "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
             "no_repeat_ngram_size": 0}
 
 
