@@ -81,12 +81,20 @@ _FIELDS = (
            lambda v: np.isfinite(v) & (v >= 0)),
     _Field("dynatemp_exponent", 1.0, False, "a finite number >= 0",
            lambda v: np.isfinite(v) & (v >= 0)),
+    _Field("dry_multiplier", 0.0, False, "a finite number >= 0 (0 disables DRY)",
+           lambda v: np.isfinite(v) & (v >= 0)),
+    _Field("dry_base", 1.75, False, "a finite number >= 1",
+           lambda v: np.isfinite(v) & (v >= 1)),
+    _Field("dry_allowed_length", 2, True, "an integer >= 1", lambda v: v >= 1),
+    _Field("dry_penalty_last_n", -1, True,
+           "an integer >= -1 (-1: the whole history; 0 disables DRY)", lambda v: v >= -1),
     _Field("no_repeat_ngram_size", 0, True,
            f"an integer with 0 <= no_repeat_ngram_size <= {NGRAM_MAX} (0 disables)",
            lambda v: (v >= 0) & (v <= NGRAM_MAX)),
 )
 _NUMBER_NAMES = tuple(f.name for f in _FIELDS)
-_TOKEN_NAMES = ("logit_bias", "banned_token_ids", "allowed_token_ids", "bad_words")
+_TOKEN_NAMES = ("logit_bias", "banned_token_ids", "allowed_token_ids", "dry_sequence_breakers",
+                "bad_words")
 _NAMES = _NUMBER_NAMES + _TOKEN_NAMES
 _PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 _MIN_WIDTH = 8  # the narrowest padded width of a token field
@@ -391,6 +399,13 @@ class SamplingParams:
       becomes T_min + (T_max - T_min)·(H / log N)^exponent with T_min = max(0, T - range),
       T_max = T + range, H the entropy and N the selectable tokens of the row at that point of
       the chain; range 0 (the default) disables; temperature-0 rows stay greedy.
+    dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n, dry_sequence_breakers:
+      DRY ("don't repeat yourself", llama.cpp): a token that would extend a repeat of the row's
+      last tokens of length n >= dry_allowed_length (within its last dry_penalty_last_n tokens;
+      -1: all) has dry_multiplier · dry_base^(n - dry_allowed_length) subtracted from its logit,
+      the exponent capped as llama.cpp caps it. A match stops at a sequence breaker (token
+      ids, like banned_token_ids), and a breaker is never penalized. multiplier 0 (the
+      default) disables. Needs the row's history (`decode` has it).
     no_repeat_ngram_size: ban every token that would complete an n-gram the row already holds
       (transformers); 0 disables. Needs the row's history (`decode` has it).
     bad_words: token-id sequences, each banned where the row's last tokens equal it without its
@@ -439,7 +454,12 @@ class SamplingParams:
   xtc_probability: jax.Array
   dynatemp_range: jax.Array
   dynatemp_exponent: jax.Array
+  dry_multiplier: jax.Array
+  dry_base: jax.Array
+  dry_allowed_length: jax.Array
+  dry_penalty_last_n: jax.Array
   no_repeat_ngram_size: jax.Array
+  dry_sequence_breakers: jax.Array
   bad_words: jax.Array  # int32 [K, M] or [B, K, M], each sequence padded with -1 at its end
 
   def __init__(self, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, *,
@@ -447,8 +467,9 @@ class SamplingParams:
                typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, min_new_tokens=0,
                logit_bias=None, banned_token_ids=None, allowed_token_ids=None,
                top_n_sigma=0.0, xtc_threshold=0.1, xtc_probability=0.0,
-               dynatemp_range=0.0, dynatemp_exponent=1.0, no_repeat_ngram_size=0,
-               bad_words=None):
+               dynatemp_range=0.0, dynatemp_exponent=1.0, dry_multiplier=0.0, dry_base=1.75,
+               dry_allowed_length=2, dry_penalty_last_n=-1, dry_sequence_breakers=None,
+               no_repeat_ngram_size=0, bad_words=None):
     values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                   frequency_penalty=frequency_penalty, typical_p=typical_p,
@@ -456,11 +477,15 @@ class SamplingParams:
                   min_new_tokens=min_new_tokens, top_n_sigma=top_n_sigma,
                   xtc_threshold=xtc_threshold, xtc_probability=xtc_probability,
                   dynatemp_range=dynatemp_range, dynatemp_exponent=dynatemp_exponent,
+                  dry_multiplier=dry_multiplier, dry_base=dry_base,
+                  dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
                   no_repeat_ngram_size=no_repeat_ngram_size)
     converted = {field.name: _convert(field, values[field.name]) for field in _FIELDS}
     converted["logit_bias"] = _convert_bias(logit_bias)
     converted["banned_token_ids"] = _convert_ids("banned_token_ids", banned_token_ids)
     converted["allowed_token_ids"] = _convert_ids("allowed_token_ids", allowed_token_ids)
+    converted["dry_sequence_breakers"] = _convert_ids("dry_sequence_breakers",
+                                                      dry_sequence_breakers)
     converted["bad_words"] = _convert_words(bad_words)
     # Every check has passed: now the host arrays go to the device, all in one call.
     for name, value in _place(converted).items():
@@ -541,7 +566,8 @@ class SamplingParams:
         raise ValueError(f"SamplingParams.{name} has shape {shape} but the batch has "
                          f"{batch_size} rows; expected a scalar or shape ({batch_size},)")
     token_fields = {"logit_bias": self.logit_bias[0], "banned_token_ids": self.banned_token_ids,
-                    "allowed_token_ids": self.allowed_token_ids}
+                    "allowed_token_ids": self.allowed_token_ids,
+                    "dry_sequence_breakers": self.dry_sequence_breakers}
     for name, ids in token_fields.items():
       if ids.ndim == 2 and ids.shape[0] != batch_size:
         raise ValueError(f"SamplingParams.{name} has one row of ids for each of {ids.shape[0]} "
@@ -602,6 +628,9 @@ class SamplingParams:
       (disabled), clipped to [0, 1];
     - dynatemp_range: NaN or < 0 -> 0 (disabled), +inf -> the largest float32;
       dynatemp_exponent: NaN -> 1, clipped to [0, the largest float32];
+    - dry_multiplier: NaN or < 0 -> 0 (disabled), clipped to the finite float32 range;
+      dry_base: NaN or < 1 -> 1, +inf -> the largest float32; dry_allowed_length < 1 -> 1;
+      dry_penalty_last_n < -1 -> -1;
     - no_repeat_ngram_size: < 0 -> 0 (disabled), > NGRAM_MAX -> NGRAM_MAX.
     """
     def disabled_if_nan(v, off, lo, hi):
@@ -630,6 +659,10 @@ class SamplingParams:
         xtc_probability=disabled_if_nan(self.xtc_probability, 0.0, 0.0, 1.0),
         dynatemp_range=disabled_if_nan(self.dynatemp_range, 0.0, 0.0, _F32_MAX),
         dynatemp_exponent=disabled_if_nan(self.dynatemp_exponent, 1.0, 0.0, _F32_MAX),
+        dry_multiplier=disabled_if_nan(self.dry_multiplier, 0.0, 0.0, _F32_MAX),
+        dry_base=disabled_if_nan(self.dry_base, 1.0, 1.0, _F32_MAX),
+        dry_allowed_length=jnp.maximum(self.dry_allowed_length, 1),
+        dry_penalty_last_n=jnp.maximum(self.dry_penalty_last_n, -1),
         no_repeat_ngram_size=jnp.clip(self.no_repeat_ngram_size, 0, NGRAM_MAX))
 
   def rows(self, index) -> "SamplingParams":
@@ -651,6 +684,7 @@ class SamplingParams:
     return self._with(**number, logit_bias=(select(ids, 2), select(biases, 2)),
                       banned_token_ids=select(self.banned_token_ids, 2),
                       allowed_token_ids=select(self.allowed_token_ids, 2),
+                      dry_sequence_breakers=select(self.dry_sequence_breakers, 2),
                       bad_words=select(self.bad_words, 3))
 
   def has_penalty(self) -> bool:
@@ -662,8 +696,8 @@ class SamplingParams:
     return (self._summary if self._frozen else self._summarize())[1]
 
   def reads_history(self) -> bool:
-    """True if a concrete rule reads the row's earlier tokens (`no_repeat_ngram_size`, or a
-    `bad_words` sequence of two tokens or more): the call then needs the row's history."""
+    """True if a concrete rule reads the row's earlier tokens (`no_repeat_ngram_size`, DRY, or
+    a `bad_words` sequence of two tokens or more): the call then needs the row's history."""
     return (self._summary if self._frozen else self._summarize())[2]
 
   def draws_xtc(self) -> bool:
@@ -686,7 +720,9 @@ class SamplingParams:
     xtc = np.broadcast_arrays(host.xtc_probability, host.xtc_threshold)
     return (bool(np.any(host.repetition_penalty != 1) or np.any(host.presence_penalty != 0) or
                  np.any(host.frequency_penalty != 0)), int(np.max(host.min_new_tokens)),
-            bool(np.any(host.no_repeat_ngram_size > 0) or np.any(words[..., 1] >= 0)),
+            bool(np.any(host.no_repeat_ngram_size > 0) or np.any(words[..., 1] >= 0) or
+                 np.any((np.asarray(host.dry_multiplier) != 0) &
+                        (np.asarray(host.dry_penalty_last_n) != 0))),
             bool(np.any((xtc[0] > 0) & (xtc[0] < 1) & (xtc[1] <= 0.5))))
 
 
@@ -701,6 +737,7 @@ def _broadcast_with(xp, params: SamplingParams, batch: int) -> SamplingParams:
   return params._with(**number, logit_bias=(rows(ids), rows(biases)),  # pylint: disable=protected-access
                       banned_token_ids=rows(params.banned_token_ids),
                       allowed_token_ids=rows(params.allowed_token_ids),
+                      dry_sequence_breakers=rows(params.dry_sequence_breakers),
                       bad_words=xp.broadcast_to(words, (batch,) + words.shape[-2:]))
 
 

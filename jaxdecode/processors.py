@@ -8,7 +8,8 @@
 3. `logit_bias`: added to the logits of its tokens;
 4. penalties, from each row's token counts: `repetition_penalty` (HF: a seen token's logit is
    divided by it if positive, multiplied if negative), then `frequency_penalty * count` and
-   `presence_penalty * (count > 0)` are subtracted (OpenAI/vLLM);
+   `presence_penalty * (count > 0)` are subtracted (OpenAI/vLLM); then DRY, from the row's
+   history (llama.cpp's place: after its penalties, before top-nσ);
 5. top-nσ (`top_n_sigma`), on the logits the penalties left, before the temperature (as in
    llama.cpp's chain): its kept set is the same at every temperature > 0;
 6. temperature, or dynamic temperature (`dynatemp_range` > 0); 7. top-k; 8. top-p; 9. min-p; 10. typical-p; 11. epsilon; 12. eta;
@@ -45,6 +46,18 @@ entropy in nats):
   row's token key (`fold_in(row_key, t)` in the loops) folded with `XTC_SALT`, and XTC acts
   iff u < probability: the token's own draw, from the key itself, is not disturbed. Without a
   key (`process_logits` without `key=`, beam search) only rows with probability 1 act.
+- DRY ("don't repeat yourself", p-e-w's sampler in text-generation-webui; llama.cpp's
+  `llama_sampler_dry_apply`, after koboldcpp): the row's window is its last W tokens (W =
+  min(its tokens, `dry_penalty_last_n`), -1 for all; 0 disables); rep_limit is the number of
+  tokens after the latest `dry_sequence_breakers` id in the window (W without one). For each
+  position j of the window, n_j is the length of the longest run of tokens ending just before
+  j that equals the window's last tokens (within the window), capped at rep_limit; a token v
+  that is not a breaker gets n = max of n_j over the positions j holding v, and where n >=
+  `dry_allowed_length` its logit loses `dry_multiplier` · `dry_base`^e, e = n -
+  dry_allowed_length capped at int(88.7228391 / log(dry_base)) when dry_base > 1.000001, as in
+  llama.cpp (the penalty is also clipped to the largest float32). Nothing changes where W <=
+  dry_allowed_length or rep_limit < dry_allowed_length. Breakers here are single token ids
+  (llama.cpp also takes multi-token strings).
 - dynamic temperature (llama.cpp's `llama_sampler_temp_ext`, from "entropy-based dynamic
   temperature", Zhu et al. 2024 / kalomaze): a row with temperature T > 0 and
   `dynatemp_range` r > 0 is divided by T_min + (T_max - T_min)·(H / log N)^`dynatemp_exponent`
@@ -513,6 +526,94 @@ def bad_word_bans(history: jax.Array, words: jax.Array) -> jax.Array:
   return jnp.where(ok, last, -1)
 
 
+def suffix_runs(history: jax.Array, start: jax.Array) -> jax.Array:
+  """int32[B, H]: run[j], how many consecutive i = 1, 2, ... have history[j - i] ==
+  history[H - i] with j - i >= start[b] (the length of the repeat of the row's last tokens that
+  ends just before position j; history padded with negative ids at the start).
+
+  One shift per round, O(B·H) each. On CPU and TPU a while loop stops at the first round that
+  extends no row's run (text repeats are short: a few rounds); on a GPU a loop of H rounds (a
+  constant trip count, `jaxdecode._platform`). Both give the same array.
+  """
+  batch, width = history.shape
+  if width == 0:
+    return jnp.zeros(history.shape, jnp.int32)
+  padded = jnp.concatenate([jnp.full(history.shape, -1, history.dtype), history], axis=1)
+  column = lax.broadcasted_iota(jnp.int32, history.shape, 1)
+
+  def body(i, alive, run):
+    before = lax.dynamic_slice_in_dim(padded, width - i, width, axis=1)  # history[j - i]
+    last = lax.dynamic_slice_in_dim(history, width - i, 1, axis=1)  # history[H - i], [B, 1]
+    alive = alive & (before == last) & (last >= 0) & (column - i >= start[:, None])
+    return alive, run + alive.astype(jnp.int32)
+
+  init = (jnp.int32(1), jnp.ones(history.shape, bool), jnp.zeros(history.shape, jnp.int32))
+  if _platform.mode() == _platform.STRAIGHT:
+    _, _, run = lax.fori_loop(1, width + 1, lambda i, c: (i + 1, *body(i, c[1], c[2])), init)
+    return run
+
+  def cond(c):
+    i, alive, _ = c
+    return (i <= width) & jnp.any(alive)
+
+  _, _, run = lax.while_loop(cond, lambda c: (c[0] + 1, *body(c[0], c[1], c[2])), init)
+  return run
+
+
+DRY_FLOAT_MAX_LOG = 88.7228391  # llama.cpp's bound of the exponent: log(FLT_MAX)
+
+
+def apply_dry(x: jax.Array, history: jax.Array | None, multiplier: jax.Array, base: jax.Array,
+              allowed: jax.Array, last_n: jax.Array, breakers: jax.Array) -> jax.Array:
+  """DRY, llama.cpp's `llama_sampler_dry_apply` without its host loops (single-token breakers).
+
+  Per row: the window is its last W = min(tokens, last_n) tokens (last_n -1: all; 0: off);
+  rep_limit the number of tokens after its latest breaker in the window (W if none). Each
+  position j of the window gets the length of the repeat of the window's last tokens that ends
+  just before it (`suffix_runs`, bounded by the window), capped at rep_limit; token
+  history[j] gets the largest such length n over its positions, and, where n >= allowed and it
+  is not a breaker, its logit loses multiplier · base^e, e = n - allowed capped at
+  int(88.7228391 / log(base)) when base > 1.000001 (the penalty clipped to the largest
+  float32). Nothing happens where multiplier is 0, W <= allowed or rep_limit < allowed.
+  """
+  batch, vocab = x.shape
+  if history is None or history.shape[1] == 0:
+    return x
+  width = history.shape[1]
+  breakers = valid_ids(breakers, vocab)  # [B, K]
+  tokens = jnp.sum((history >= 0).astype(jnp.int32), axis=-1)  # [B]
+  window = jnp.where(last_n < 0, tokens, jnp.minimum(last_n, tokens))  # [B]
+  active = (multiplier != 0) & (base >= 1) & (last_n != 0) & (window > allowed)
+
+  def penalize(x):
+    column = lax.broadcasted_iota(jnp.int32, history.shape, 1)
+    start = width - window  # [B]: the window's first column
+    is_breaker = jnp.any((history[:, :, None] == breakers[:, None, :]) &
+                         (breakers[:, None, :] < vocab), axis=-1)  # [B, H]
+    after = jnp.where(is_breaker & (column >= start[:, None]), width - 1 - column, width)
+    rep_limit = jnp.minimum(jnp.min(after, axis=-1), window)  # [B]
+    run = jnp.minimum(suffix_runs(history, start), rep_limit[:, None])  # [B, H]
+    counted = run >= allowed[:, None]
+    rows = lax.broadcasted_iota(jnp.int32, history.shape, 0)
+    longest = jnp.zeros((batch, vocab), jnp.int32).at[
+        rows, valid_ids(jnp.where(counted, history, -1), vocab)].max(run, mode="drop")
+    breaker_rows = lax.broadcasted_iota(jnp.int32, breakers.shape, 0)
+    is_breaker_token = jnp.zeros((batch, vocab), bool).at[breaker_rows, breakers].set(
+        True, mode="drop")
+    row_ok = (active & (rep_limit >= allowed))[:, None]
+    hit = row_ok & (longest >= allowed[:, None]) & ~is_breaker_token
+    cap = jnp.where(base > 1.000001,
+                    (jnp.float32(DRY_FLOAT_MAX_LOG) / jnp.log(base)).astype(jnp.int32), 0)
+    exponent = longest - allowed[:, None]
+    exponent = jnp.where((cap[:, None] > 0) & (exponent > cap[:, None]), cap[:, None], exponent)
+    penalty = jnp.minimum(multiplier[:, None] * jnp.power(base[:, None],
+                                                          exponent.astype(jnp.float32)),
+                          _F32_MAX)
+    return jnp.where(hit, _saturate(x, x - penalty), x)
+
+  return _platform.skip_unless(jnp.any(active), penalize, x)
+
+
 def apply_history_bans(x: jax.Array, history: jax.Array | None, ngram: jax.Array,
                        words: jax.Array) -> jax.Array:
   """`no_repeat_ngram_size` and `bad_words`: the tokens they ban become -inf."""
@@ -564,6 +665,8 @@ def _process_f32(logits, params, counts, u, history):
   if counts is not None:
     x = apply_penalties(x, counts, params.repetition_penalty, params.presence_penalty,
                         params.frequency_penalty)
+  x = apply_dry(x, history, params.dry_multiplier, params.dry_base, params.dry_allowed_length,
+                params.dry_penalty_last_n, params.dry_sequence_breakers)
   x = apply_top_n_sigma(x, params.top_n_sigma)
   t = dynamic_temperature(x, params.temperature, params.dynatemp_range,
                           params.dynatemp_exponent)

@@ -389,3 +389,41 @@ def dynatemp_logits(x, temperature, spread, exponent):
   if np.any(np.abs(scaled[np.isfinite(x)]) > np.finfo(np.float32).max):
     scaled = (x - x.max()) / t  # what float32 does instead of overflowing (processors docs)
   return np.where(scaled < -np.finfo(np.float32).max, -np.inf, scaled)  # float32: -inf there
+
+
+def dry_penalties(tokens, vocab, multiplier, base, allowed_length, penalty_last_n, breakers):
+  """llama.cpp's DRY (llama_sampler_dry_apply) on one row's tokens, with single-token breakers,
+  written naively (no Z-algorithm): the penalty subtracted from each token's logit (float64)."""
+  penalty = np.zeros(vocab)
+  if multiplier == 0 or base < 1 or penalty_last_n == 0:
+    return penalty
+  last_n = len(tokens) if penalty_last_n == -1 else min(penalty_last_n, len(tokens))
+  window = list(tokens[len(tokens) - last_n:])
+  if last_n <= allowed_length:
+    return penalty
+  rat = lambda i: window[last_n - 1 - i]  # i-th token from the end
+  rep_limit = last_n
+  for i in range(last_n):
+    if rat(i) in breakers:
+      rep_limit = i
+      break
+  if rep_limit < allowed_length:
+    return penalty
+  longest = {}
+  for k in range(1, last_n):  # the repeat of the last tokens that ends k tokens from the end
+    n = 0
+    while n + k < last_n and rat(n) == rat(n + k):
+      n += 1
+    n = min(n, rep_limit)
+    if n >= allowed_length:
+      token = rat(k - 1)  # the token after it
+      longest[token] = max(longest.get(token, 0), n)
+  max_exponent = int(np.float32(88.7228391) / np.log(np.float32(base))) if base > 1.000001 else 0
+  for token, n in longest.items():
+    if token in breakers or not 0 <= token < vocab:
+      continue
+    exponent = n - allowed_length
+    if max_exponent > 0 and exponent > max_exponent:
+      exponent = max_exponent
+    penalty[token] = min(multiplier * float(base) ** exponent, float(np.finfo(np.float32).max))
+  return penalty

@@ -187,6 +187,8 @@ def test_the_sampling_chain_is_the_same_in_both_formulations():
       presence_penalty=pick(0, 0.5), logit_bias={3: 2.0, 7: -100.0}, banned_token_ids=[11],
       top_n_sigma=pick(0, 1, 2.5), xtc_threshold=pick(0.01, 0.1, 0.6), xtc_probability=pick(0, 1),
       dynatemp_range=pick(0, 0.5, 2), dynatemp_exponent=pick(0, 1, 2),
+      dry_multiplier=pick(0, 0.8), dry_allowed_length=jnp.asarray(
+          rng.choice([1, 2], batch), jnp.int32), dry_sequence_breakers=[3, 17],
       no_repeat_ngram_size=jnp.asarray(rng.choice([0, 1, 2, 3], batch), jnp.int32),
       bad_words=[[5, 6], [7, 8, 9], [10]])
   counts = jnp.asarray(rng.integers(0, 3, (batch, vocab)), jnp.int32)

@@ -1,4 +1,4 @@
-"""top-nσ, XTC, dynamic temperature, no_repeat_ngram_size and bad_words: exact against the plain-Python references
+"""top-nσ, XTC, dynamic temperature, DRY, no_repeat_ngram_size and bad_words: exact against the plain-Python references
 of tests/reference.py on hostile rows, and composed with every loop (decode, speculative,
 beam search) with rows bitwise the same alone and batched."""
 
@@ -172,20 +172,24 @@ def test_xtc_coin_comes_from_the_row_key_folded_with_its_own_constant():
 @pytest.mark.slow
 def test_sampled_frequencies_match_the_reference_with_bans_top_n_sigma_and_dynatemp():
   row = np.array([2.0, 1.2, 1.2, 0.5, 0.0, -0.4, -1.0, -INF, -2.5, 0.9, -3.0, 1.5], np.float32)
-  history = np.array([[-1, 4, 9, 4, 9]], np.int32)  # bans 4 (bad word 9 -> 4), 4 (2-gram 9 4)
+  seen = [0, 9, 4, 9, 0, 9]
+  history = np.array([[-1] + seen], np.int32)
   params = SamplingParams(top_n_sigma=1.2, dynatemp_range=0.6, dynatemp_exponent=1.5,
-                          no_repeat_ngram_size=2, bad_words=[[9, 1], [11]])
+                          no_repeat_ngram_size=3, bad_words=[[9, 1], [11]], dry_multiplier=0.7,
+                          dry_allowed_length=1)
   x = row.astype(np.float64)
-  banned = ref.no_repeat_ngram_banned([4, 9, 4, 9], 2) | ref.bad_words_banned([4, 9, 4, 9],
-                                                                            [[9, 1], [11]])
-  assert banned == {4, 1, 11}
+  banned = ref.no_repeat_ngram_banned(seen, 3) | ref.bad_words_banned(seen, [[9, 1], [11]])
+  assert banned == {4, 1, 11}  # 0 9 -> 4 (3-gram), 9 -> 1, 11
   x[sorted(banned)] = -INF
+  penalty = ref.dry_penalties(seen, 12, 0.7, 1.75, 1, -1, set())
+  assert penalty[0] > 0  # 9 0 9 ... 9 repeated: 0 follows 9
+  x = x - penalty
   x = np.where(ref.top_n_sigma_keep(x, 1.2)[0], x, -INF)
   expected = ref.softmax64(ref.dynatemp_logits(x, 1.0, 0.6, 1.5))
   assert 2 < (expected > 0).sum() < 8
   logits = jnp.broadcast_to(jnp.asarray(row), (N_DRAWS, row.size))
   tokens, logprobs = jaxdecode.sample_with_logprobs(
-      jax.random.key(12), logits, params, history=np.broadcast_to(history, (N_DRAWS, 5)))
+      jax.random.key(12), logits, params, history=np.broadcast_to(history, (N_DRAWS, 7)))
   counts = np.bincount(np.asarray(tokens), minlength=row.size)
   assert counts[expected == 0].sum() == 0
   assert stats.chisquare(counts[expected > 0], N_DRAWS * expected[expected > 0]).pvalue > 1e-3
@@ -226,6 +230,42 @@ def test_no_repeat_ngram_and_bad_words_match_transformers_on_hostile_histories()
     jaxdecode.process_logits(x, SamplingParams(no_repeat_ngram_size=2))
 
 
+def test_dry_matches_llama_cpp_on_hostile_histories():
+  rng = np.random.default_rng(6)
+  vocab = ROWS.shape[1]
+  histories = [list(rng.integers(0, 3, rng.integers(0, 16))) for _ in range(8)]
+  histories += [[2] * 16, [0, 1, 2, 2, 1, 2, 3, 0, 1, 2], [1, 2, 1, 2, 1, 2, 1], [4],
+                [1, 2, 5, 1, 2, 5, 1, 2], [3, 3, 3, 4, 3, 3, 3]]  # a repeated token; llama.cpp's
+  multiplier = rng.choice([0.0, 0.8, 1.0, 3e38], 14).astype(np.float32)  # example; breakers
+  multiplier[8:] = [2.0, 1.0, 0.5, 1.0, 1.5, 1.0]
+  base = rng.choice([1.0, 1.5, 1.75, 1e30], 14).astype(np.float32)
+  base[8:] = [1.75, 2.0, 1.0, 1.75, 3.0, 1e20]
+  allowed = rng.choice([1, 2, 3], 14).astype(np.int32)
+  allowed[8:] = [2, 1, 1, 1, 2, 1]
+  last_n = rng.choice([-1, 0, 3, 6, 50], 14).astype(np.int32)
+  last_n[8:] = [-1, -1, 5, -1, -1, 4]
+  breakers = [[3], [], [5, 0], [], [], [1], [], []] + [[], [3], [], [], [5], [4]]
+  x = ROWS.copy()
+  out = chain(x, SamplingParams(dry_multiplier=multiplier, dry_base=base,
+                                dry_allowed_length=allowed, dry_penalty_last_n=last_n,
+                                dry_sequence_breakers=breakers), left_padded(histories, 16))
+  f32_max = float(np.finfo(np.float32).max)
+  for b, tokens in enumerate(histories):
+    penalty = ref.dry_penalties(tokens, vocab, float(multiplier[b]), float(base[b]),
+                                int(allowed[b]), int(last_n[b]), set(breakers[b]))
+    clean = hygiene(x[b])
+    expected = np.where(clean == -INF, -INF, np.clip(clean - penalty, -f32_max, f32_max))
+    np.testing.assert_array_equal(kept(out[b]), np.isfinite(expected), err_msg=f"row {b}")
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(out[b][finite], expected[finite], rtol=1e-5, atol=1e-6,
+                               err_msg=f"row {b}: {tokens}")
+  # The rows that must be penalized are (the test is not vacuous): the repeated token, and
+  # llama.cpp's own example (c by 2^2, b by 2^0, y by 2^1 with allowed length 1 and base 2).
+  assert ref.dry_penalties([2] * 16, 6, 2.0, 1.75, 2, -1, set())[2] > 0
+  assert ref.dry_penalties(histories[9], 6, 1.0, 2.0, 1, -1, set()).tolist() == [0, 1, 4, 2, 0, 0]
+  np.testing.assert_array_equal(out[9] - hygiene(x[9]), [0, -1, -4, 0, 0, 0])  # y: breaker
+
+
 @pytest.mark.parametrize("field,value,fragment", [
     ("top_n_sigma", float("nan"), "top_n_sigma must be a finite number"),
     ("top_n_sigma", float("inf"), "got inf"),
@@ -235,6 +275,11 @@ def test_no_repeat_ngram_and_bad_words_match_transformers_on_hostile_histories()
     ("no_repeat_ngram_size", -1, "0 <= no_repeat_ngram_size <= 32"),
     ("dynatemp_range", -0.5, "dynatemp_range must be a finite number >= 0"),
     ("dynatemp_exponent", float("inf"), "got inf"),
+    ("dry_allowed_length", 0, "dry_allowed_length must be an integer >= 1"),
+    ("dry_base", 0.5, "dry_base must be a finite number >= 1"),
+    ("dry_multiplier", -1.0, "dry_multiplier must be a finite number >= 0"),
+    ("dry_penalty_last_n", -2, "an integer >= -1"),
+    ("dry_sequence_breakers", [-3], "token ids"),
     ("no_repeat_ngram_size", 33, "got 33"),
     ("no_repeat_ngram_size", 2.0, "pass integers"),
     ("bad_words", [[1, -2]], "token ids"),
@@ -279,6 +324,10 @@ LOOP_PARAMS = SamplingParams(
     xtc_probability=np.array([0.0, 0.0, 0.6, 0.0, 0.0, 0.5], np.float32),
     dynatemp_range=np.array([0.0, 0.5, 0.0, 0.0, 0.3, 0.0], np.float32),
     dynatemp_exponent=np.array([1.0, 2.0, 1.0, 1.0, 0.5, 1.0], np.float32),
+    dry_multiplier=np.array([0.0, 0.8, 1.5, 0.0, 0.0, 0.5], np.float32),
+    dry_allowed_length=np.array([2, 2, 1, 2, 2, 3], np.int32),
+    dry_penalty_last_n=np.array([-1, 6, -1, -1, -1, 10], np.int32),
+    dry_sequence_breakers=[[], [3], [], [], [], [0, 9]],
     no_repeat_ngram_size=np.array([2, 0, 0, 1, 3, 2], np.int32),
     bad_words=[[[1, 2, 3]], None, None, [[2, 5]], [[0, 7, 0]], [[3, 3], [10]]])
 
@@ -371,7 +420,8 @@ def test_speculative_equals_decode_bitwise_with_the_new_rules():
 def test_beam_search_bans_repeated_ngrams_and_bad_words_and_refuses_an_xtc_coin():
   logits, state, positions = toy_model.prefill_bigram(BIGRAM, PROMPTS[:3], 32)
   params = SamplingParams(no_repeat_ngram_size=2, bad_words=[[1, 2, 3], [4, 4]],
-                          top_n_sigma=2.0, dynatemp_range=0.5, xtc_probability=1.0)
+                          top_n_sigma=2.0, dynatemp_range=0.5, xtc_probability=1.0,
+                          dry_multiplier=0.8)
   out = jaxdecode.beam_search(STEP, state, logits, beam_size=3, max_new_tokens=8,
                               positions=positions, params=params,
                               prompt_tokens=prompt_array()[:3])

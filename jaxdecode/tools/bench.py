@@ -23,8 +23,8 @@ Tables:
    (`sort_top_p_sample`) and, when `transformers` is installed, its Flax top-p warper, each as
    time / argmax time; plus the speedups of jaxdecode's top-p over the two sort-based ones.
    The controls (`CONTROL_PARAMS`: penalties with token counts, logit bias + banned tokens,
-   allowed tokens, typical-p, epsilon, eta, top-nσ, XTC, dynamic temperature, n-gram and
-   bad-word bans over a history, and those five at once) are timed in the same round robin and printed as a second
+   allowed tokens, typical-p, epsilon, eta, top-nσ, XTC, dynamic temperature, and over a
+   history DRY, n-gram and bad-word bans, and those six at once) are timed in the same round robin and printed as a second
    table.
 2. Decode. `jaxdecode.decode` of 64 new tokens for a batch of 8 prompts (no EOS) with top-p 0.9
    versus greedy, for the embedded default model and a random-weights model with a 32000-token
@@ -131,9 +131,10 @@ CONTROL_PARAMS = {
     "top_n_sigma": dict(top_n_sigma=1.0),
     "xtc": dict(xtc_threshold=0.1, xtc_probability=0.5),
     "dynatemp": dict(dynatemp_range=0.5),
+    "dry": dict(dry_multiplier=0.8),
     "ngram": dict(no_repeat_ngram_size=3),
     "bad_words": "bad_words, CONTROL_IDS sequences of 1 to 4 ids per row",
-    "new_all": "top_n_sigma, xtc, dynatemp, ngram and bad_words at once",
+    "new_all": "top_n_sigma, xtc, dynatemp, dry, ngram and bad_words at once",
 }
 CONTROL_HISTORY = 256  # tokens of history per row for the n-gram and bad-word bans
 SORT_PEER = "sort_top_p"
@@ -359,7 +360,7 @@ def control_params(batch: int, vocab: int, seed: int = 0) -> dict:
   words = [[rng.integers(0, vocab, rng.integers(1, 5)).tolist() for _ in range(CONTROL_IDS)]
            for _ in range(batch)]
   new = dict(CONTROL_PARAMS["top_n_sigma"], **CONTROL_PARAMS["xtc"], **CONTROL_PARAMS["ngram"],
-             **CONTROL_PARAMS["dynatemp"])
+             **CONTROL_PARAMS["dynatemp"], **CONTROL_PARAMS["dry"])
   return {
       "penalties": (SamplingParams(**CONTROL_PARAMS["penalties"]), counts, None),
       "bias_ban": (SamplingParams(
@@ -372,6 +373,7 @@ def control_params(batch: int, vocab: int, seed: int = 0) -> dict:
       "top_n_sigma": (SamplingParams(**CONTROL_PARAMS["top_n_sigma"]), None, None),
       "xtc": (SamplingParams(**CONTROL_PARAMS["xtc"]), None, None),
       "dynatemp": (SamplingParams(**CONTROL_PARAMS["dynatemp"]), None, None),
+      "dry": (SamplingParams(**CONTROL_PARAMS["dry"]), None, history),
       "ngram": (SamplingParams(**CONTROL_PARAMS["ngram"]), None, history),
       "bad_words": (SamplingParams(bad_words=words), None, history),
       "new_all": (SamplingParams(**new, bad_words=words), None, history),
@@ -1262,7 +1264,7 @@ def _fmt(value: float | None) -> str:
 
 _CONTROL_COLUMNS = (("penalties", "penalties"), ("bias+ban", "bias_ban"),
                     ("allowed", "allowed"), ("typical-p", "typical"), ("epsilon", "epsilon"),
-                    ("eta", "eta"), ("top-nσ", "top_n_sigma"), ("xtc", "xtc"), ("dynatemp", "dynatemp"),
+                    ("eta", "eta"), ("top-nσ", "top_n_sigma"), ("xtc", "xtc"), ("dynatemp", "dynatemp"), ("dry", "dry"),
                     ("ngram", "ngram"), ("bad-words", "bad_words"), ("new-all", "new_all"))
 _KERNEL_COLUMNS = (  # (header, ratio key) after `argmax ms`
     ("greedy", "greedy"), ("sample", "sample"), ("top-k", "top_k"), ("top-p", "top_p"),
@@ -1340,9 +1342,10 @@ def format_table(result: Mapping) -> str:
         f"{CONTROL_SEEN} seen tokens per row; bias+ban = logit_bias and banned_token_ids, "
         f"{CONTROL_IDS} ids each per row; allowed = allowed_token_ids, {CONTROL_ALLOWED} per "
         f"row; typical-p 0.9; epsilon 3e-4; eta 3e-4; top-nσ 1; xtc threshold 0.1, "
-        f"probability 0.5; dynatemp range 0.5; ngram = no_repeat_ngram_size 3 and bad-words = {CONTROL_IDS} "
-        f"sequences of 1-4 ids per row, over a history of {CONTROL_HISTORY} tokens; new-all = "
-        f"those four at once (jaxdecode.sample at T=1).", _WIDTH)
+        f"probability 0.5; dynatemp range 0.5; over a history of {CONTROL_HISTORY} random "
+        f"tokens per row: dry multiplier 0.8 (base 1.75, allowed length 2), ngram = "
+        f"no_repeat_ngram_size 3, bad-words = {CONTROL_IDS} sequences of 1-4 ids per row; "
+        f"new-all = those six at once (jaxdecode.sample at T=1).", _WIDTH)
     lines.append("")
   if result.get("decode"):
     lines += _section(
