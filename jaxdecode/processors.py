@@ -442,10 +442,16 @@ def dynamic_temperature(x: jax.Array, t: jax.Array, spread: jax.Array,
   active = (spread > 0) & (t > 0)  # [B]
 
   def work():
-    _, _, entropy = distribution(x)  # [B, 1]
+    # H = log z - sum_i e_i (x_i - m) / z with e_i = exp(x_i - m), z = sum_i e_i: both sums in
+    # the pass that computes e (two non-negative terms, no cancellation).
+    e, m = threshold.unnormalized_probs(x)
+    z = _reduce.row_sum(e)  # [B]
+    weighted = _reduce.row_sum(jnp.where(e > 0, e * (x - m), 0.0))  # [B], <= 0
+    safe_z = jnp.where(z > 0, z, 1.0)
+    entropy = jnp.log(safe_z) - weighted / safe_z
     count = jnp.sum((x > _NEG_INF).astype(jnp.int32), axis=-1)  # integers: exact
     log_n = jnp.log(jnp.maximum(count, 2).astype(jnp.float32))
-    normalized = jnp.clip(entropy[:, 0] / log_n, 0.0, 1.0)
+    normalized = jnp.clip(entropy / log_n, 0.0, 1.0)
     low = jnp.maximum(t - spread, 0.0)
     high = jnp.minimum(t + spread, _F32_MAX)
     dynamic = low + (high - low) * jnp.power(normalized, exponent)
@@ -464,20 +470,23 @@ def xtc_uniforms(keys: jax.Array) -> jax.Array:
                                                jnp.float32))(keys)
 
 
-def apply_xtc(x: jax.Array, threshold: jax.Array, probability: jax.Array,
+def apply_xtc(x: jax.Array, cut_at: jax.Array, probability: jax.Array,
               u: jax.Array | None) -> jax.Array:
-  """XTC: where the row's uniform u < probability, if two or more tokens have p >= threshold,
+  """XTC: where the row's uniform u < probability, if two or more tokens have p >= cut_at,
   removes those of them more probable than the least probable of them (ties at that least
   probability all stay). u None: only rows with probability >= 1 act."""
   coin = probability >= 1 if u is None else u < probability
-  active = (probability > 0) & (threshold <= 0.5) & coin  # [B]
+  active = (probability > 0) & (cut_at <= 0.5) & coin  # [B]
 
   def cut(x):
-    p, _, _ = distribution(x)
-    above = (p >= threshold[:, None]) & (x > _NEG_INF)
-    count = jnp.sum(above.astype(jnp.int32), axis=-1, keepdims=True)  # integers: exact
-    least = jnp.min(jnp.where(above, p, jnp.inf), axis=-1, keepdims=True)
-    remove = active[:, None] & (count >= 2) & above & (p > least)
+    # p_i >= threshold as e_i >= threshold · z (e_i = exp(x_i - max), z their sum): no division
+    # pass; the least probable of them is the least e (p's order, ties included).
+    e, _ = threshold.unnormalized_probs(x)
+    z = _reduce.row_sum(e, keepdims=True)
+    above = (e >= cut_at[:, None] * z) & (x > _NEG_INF)
+    least = jnp.min(jnp.where(above, e, jnp.inf), axis=-1, keepdims=True)
+    # A token above the cut and above the least of them means two or more are above it.
+    remove = active[:, None] & above & (e > least)
     return jnp.where(remove, _NEG_INF, x)
 
   return _platform.skip_unless(jnp.any(active), cut, x)
@@ -595,21 +604,24 @@ def apply_dry(x: jax.Array, history: jax.Array | None, multiplier: jax.Array, ba
     run = jnp.minimum(suffix_runs(history, start), rep_limit[:, None])  # [B, H]
     counted = run >= allowed[:, None]
     rows = lax.broadcasted_iota(jnp.int32, history.shape, 0)
-    longest = jnp.zeros((batch, vocab), jnp.int32).at[
-        rows, valid_ids(jnp.where(counted, history, -1), vocab)].max(run, mode="drop")
-    breaker_rows = lax.broadcasted_iota(jnp.int32, breakers.shape, 0)
-    is_breaker_token = jnp.zeros((batch, vocab), bool).at[breaker_rows, breakers].set(
-        True, mode="drop")
-    row_ok = (active & (rep_limit >= allowed))[:, None]
-    hit = row_ok & (longest >= allowed[:, None]) & ~is_breaker_token
+    ids = valid_ids(jnp.where(counted, history, -1), vocab)  # [B, H]: V where not counted
+    # Each counted position's token gets the longest of its runs (an integer scatter-max: its
+    # order cannot matter); the penalty is then computed per position, not over [B, V].
+    longest = jnp.zeros((batch, vocab), jnp.int32).at[rows, ids].max(run, mode="drop")
+    n = jnp.take_along_axis(longest, jnp.minimum(ids, vocab - 1), axis=1)  # [B, H]
+    not_breaker = ~jnp.any(ids[:, :, None] == breakers[:, None, :], axis=-1)
+    hit = (active & (rep_limit >= allowed))[:, None] & counted & (ids < vocab) & not_breaker
     cap = jnp.where(base > 1.000001,
                     (jnp.float32(DRY_FLOAT_MAX_LOG) / jnp.log(base)).astype(jnp.int32), 0)
-    exponent = longest - allowed[:, None]
+    exponent = n - allowed[:, None]
     exponent = jnp.where((cap[:, None] > 0) & (exponent > cap[:, None]), cap[:, None], exponent)
     penalty = jnp.minimum(multiplier[:, None] * jnp.power(base[:, None],
                                                           exponent.astype(jnp.float32)),
                           _F32_MAX)
-    return jnp.where(hit, _saturate(x, x - penalty), x)
+    before = jnp.take_along_axis(x, jnp.minimum(ids, vocab - 1), axis=1)
+    # Positions of one token all write the same value, so the order of the writes is moot.
+    return x.at[rows, jnp.where(hit, ids, vocab)].set(_saturate(before, before - penalty),
+                                                      mode="drop")
 
   return _platform.skip_unless(jnp.any(active), penalize, x)
 
