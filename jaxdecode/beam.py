@@ -258,7 +258,7 @@ def beam_step(spec: loop.LoopSpec, s: BeamState, logits: jax.Array, t: jax.Array
   parents = state.replace(model_state=take_beams(state.model_state, rows, axes),
                           **{f: getattr(state, f)[rows] for f in
                              ("tokens", "logprobs", "lengths", "finished", "counts",
-                              "automaton")})
+                              "automaton", "mirostat_mu")})
   # Running beams never finish: an EOS id only ends the candidates that are finalized.
   keep_going = dataclasses.replace(spec, is_eos=jnp.zeros_like(spec.is_eos))
   new_beams = loop.record(keep_going, parents, _along(token, pick).reshape(-1),
@@ -348,6 +348,11 @@ def init_state(spec: loop.LoopSpec, model_state, counts: jax.Array, *, batch: in
       done=jnp.zeros((batch,), bool), dead_end=jnp.zeros((batch,), bool))
 
 
+def _without_mirostat(params: SamplingParams) -> SamplingParams:
+  """Traced mirostat values act as 0 in beam search (concrete ones are refused)."""
+  return params._with(mirostat=jnp.zeros_like(params.mirostat))  # pylint: disable=protected-access
+
+
 def _beam_search(step_fn, state, logits, params, positions, eos_ids, pad_id, counts,
                  length_penalty, logits_processors, constraint, prompt_tokens=None, *,
                  axes: tuple, beam_size: int,
@@ -358,7 +363,7 @@ def _beam_search(step_fn, state, logits, params, positions, eos_ids, pad_id, cou
   beam_row = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), k)  # [B*K]: each beam's prompt row
   spec = loop.LoopSpec(
       row_keys=sampling.row_keys(jax.random.key(0), rows),  # unused: the search draws nothing
-      params=params.rows(beam_row).sanitized(), is_eos=loop.eos_mask(eos_ids, vocab),
+      params=_without_mirostat(params.rows(beam_row).sanitized()), is_eos=loop.eos_mask(eos_ids, vocab),
       pad_id=loop.checked_pad_id(pad_id, vocab), positions=positions[beam_row],
       logits_processors=logits_processors,
       constraint=None if constraint is None else dataclasses.replace(
@@ -459,7 +464,8 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
       the search never picks them). Temperature 0 makes each beam a point mass on its argmax.
       Per-row values apply to all beams of their row. Traced: new values do not recompile.
       The search draws nothing, so XTC applies only where `xtc_probability` is 1 (a value
-      between 0 and 1 is refused; traced ones act as 0); `no_repeat_ngram_size` and
+      between 0 and 1 is refused; traced ones act as 0) and mirostat is refused (its state
+      is updated by drawn tokens; traced values act as 0); `no_repeat_ngram_size`, DRY and
       `bad_words` read each beam's own history.
     state_axes: each state leaf's batch axis, as a pytree prefix of `state` like `jax.vmap`'s
       `in_axes`: an int for all leaves (default 0), or a tree with ints and None (a shared leaf,
@@ -534,6 +540,10 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
   eos = _checks.token_ids("eos_ids", eos_ids, vocab, many=True)
   params, counts = processors.check_call(logits, params, counts, caller="beam_search",
                                          loop=True, eos_ids=eos)
+  if params.uses_mirostat():
+    raise ValueError("beam_search does not carry mirostat's state (it draws no token whose "
+                     "surprise would update it): use mirostat=0, or sample with "
+                     "jaxdecode.decode")
   if params.draws_xtc():
     raise ValueError("beam_search draws nothing, so XTC cannot apply by chance: use "
                      "xtc_probability 0 or 1 (1 applies it at every step), or sample with "

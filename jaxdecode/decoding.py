@@ -192,11 +192,12 @@ def draw_and_record(spec: loop.LoopSpec, s: loop.LoopState, top: TopState | None
     return loop.record(spec, s, token, logprob), top
   token, logprob, processed = loop.draw_processed(spec, s, logits, step)
   selectable = ~jnp.isnan(logprob)  # the processed log-probability marks a dead end
+  drawn = logprob  # mirostat's surprise is the processed one, whatever logprobs_mode reports
   logprob, ids, values = score(logits, processed, token, logprob, top_logprobs=top_logprobs,
                                logprobs_mode=logprobs_mode)
   if top is not None:
     top = _record_top(s, top, ids, values, selectable)
-  return loop.record(spec, s, token, logprob, selectable=selectable), top
+  return loop.record(spec, s, token, logprob, selectable=selectable, drawn_logprob=drawn), top
 
 
 def start(spec: loop.LoopSpec, model_state, logits, counts, max_new_tokens: int, *,

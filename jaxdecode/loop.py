@@ -120,6 +120,8 @@ class LoopState:
       all -inf or NaN: a model past its cache, a processor that removes every token); the row
       stopped there, without a token for that step.
     automaton: int32[B], each row's state in `spec.constraint`'s automaton (0 without one).
+    mirostat_mu: float32[B], each row's mirostat state mu (2·mirostat_tau at the start; it
+      changes only in rows with mirostat == 2).
   """
   model_state: Any
   last: jax.Array
@@ -130,6 +132,7 @@ class LoopState:
   counts: jax.Array
   dead_end: jax.Array
   automaton: jax.Array
+  mirostat_mu: jax.Array
 
   def replace(self, **changes) -> "LoopState":
     return dataclasses.replace(self, **changes)
@@ -162,7 +165,9 @@ def init_state(spec: LoopSpec, model_state, counts: jax.Array, max_new_tokens: i
                    finished=jnp.zeros((batch,), bool), counts=counts,
                    dead_end=jnp.zeros((batch,), bool),
                    automaton=(jnp.zeros((batch,), jnp.int32) if spec.constraint is None
-                              else spec.constraint.initial))
+                              else spec.constraint.initial),
+                   mirostat_mu=jnp.broadcast_to(2.0 * spec.params.mirostat_tau,
+                                                (batch,)).astype(jnp.float32))
 
 
 def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array,
@@ -194,7 +199,8 @@ def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array
   logits = _platform.skip_unless(
       jnp.any(blocked) & jnp.any(spec.is_eos),
       lambda x: jnp.where(blocked[:, None] & spec.is_eos[None, :], -jnp.inf, x), logits)
-  return processors.process_f32(logits, spec.params, state.counts, keys, history(spec, state))
+  return processors.process_f32(logits, spec.params, state.counts, keys, history(spec, state),
+                                state.mirostat_mu)
 
 
 def draw(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array):
@@ -215,7 +221,8 @@ def draw_processed(spec: LoopSpec, state: LoopState, logits: jax.Array, step: ja
 
 
 def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Array,
-           live: jax.Array | None = None, selectable: jax.Array | None = None) -> LoopState:
+           live: jax.Array | None = None, selectable: jax.Array | None = None,
+           drawn_logprob: jax.Array | None = None) -> LoopState:
   """Appends `token[b]` (with `logprob[b]`) to every row b that is `live` (default: `state.live`).
 
   The token goes to column `lengths[b]` and becomes the row's `last`; the row's count of it grows
@@ -223,6 +230,8 @@ def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Arra
   where `logprob` is NaN, `draw`'s mark of such a row) records nothing and stops: its `dead_end`
   is set and its length does not count the step. Rows not recorded keep their buffers; a
   finished or dead-ended row's `last` is pad_id (what the model is fed for it from then on).
+  A recorded row with mirostat updates its mu from `drawn_logprob` (default `logprob`), the
+  token's log-probability under the distribution it was drawn from.
   """
   recorded = state.live if live is None else live & state.live
   selectable = ~jnp.isnan(logprob) if selectable is None else selectable
@@ -241,7 +250,10 @@ def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Arra
       dead_end=dead_end,
       automaton=state.automaton if spec.constraint is None else jnp.where(
           recorded, structured.advance(spec.constraint, state.automaton, token),
-          state.automaton))
+          state.automaton),
+      mirostat_mu=jnp.where(recorded, processors.mirostat_update(
+          state.mirostat_mu, logprob if drawn_logprob is None else drawn_logprob, spec.params),
+                            state.mirostat_mu))
 
 
 def all_done(state: LoopState) -> jax.Array:

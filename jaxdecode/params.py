@@ -88,6 +88,12 @@ _FIELDS = (
     _Field("dry_allowed_length", 2, True, "an integer >= 1", lambda v: v >= 1),
     _Field("dry_penalty_last_n", -1, True,
            "an integer >= -1 (-1: the whole history; 0 disables DRY)", lambda v: v >= -1),
+    _Field("mirostat", 0, True, "0 (off) or 2 (mirostat 2; mirostat 1 is not provided)",
+           lambda v: (v == 0) | (v == 2)),
+    _Field("mirostat_tau", 5.0, False, "a finite number >= 0 (the target surprise, in bits)",
+           lambda v: np.isfinite(v) & (v >= 0)),
+    _Field("mirostat_eta", 0.1, False, "a finite number >= 0 (the learning rate)",
+           lambda v: np.isfinite(v) & (v >= 0)),
     _Field("no_repeat_ngram_size", 0, True,
            f"an integer with 0 <= no_repeat_ngram_size <= {NGRAM_MAX} (0 disables)",
            lambda v: (v >= 0) & (v <= NGRAM_MAX)),
@@ -406,6 +412,11 @@ class SamplingParams:
       the exponent capped as llama.cpp caps it. A match stops at a sequence breaker (token
       ids, like banned_token_ids), and a breaker is never penalized. multiplier 0 (the
       default) disables. Needs the row's history (`decode` has it).
+    mirostat, mirostat_tau, mirostat_eta: mirostat 2 (llama.cpp): with mirostat=2 a row keeps
+      the tokens of surprise -log2 p <= mu (at least its most probable), mu a state the loops
+      carry per row (initially 2·tau), updated after each token by mu -= eta·(s - tau), s the
+      token's surprise under the kept set. Only the loops carry mu (`decode`, speculative
+      decoding, `generate`, `stream`); beam search refuses it. 0 (the default) disables.
     no_repeat_ngram_size: ban every token that would complete an n-gram the row already holds
       (transformers); 0 disables. Needs the row's history (`decode` has it).
     bad_words: token-id sequences, each banned where the row's last tokens equal it without its
@@ -458,6 +469,9 @@ class SamplingParams:
   dry_base: jax.Array
   dry_allowed_length: jax.Array
   dry_penalty_last_n: jax.Array
+  mirostat: jax.Array
+  mirostat_tau: jax.Array
+  mirostat_eta: jax.Array
   no_repeat_ngram_size: jax.Array
   dry_sequence_breakers: jax.Array
   bad_words: jax.Array  # int32 [K, M] or [B, K, M], each sequence padded with -1 at its end
@@ -469,7 +483,8 @@ class SamplingParams:
                top_n_sigma=0.0, xtc_threshold=0.1, xtc_probability=0.0,
                dynatemp_range=0.0, dynatemp_exponent=1.0, dry_multiplier=0.0, dry_base=1.75,
                dry_allowed_length=2, dry_penalty_last_n=-1, dry_sequence_breakers=None,
-               no_repeat_ngram_size=0, bad_words=None):
+               mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1, no_repeat_ngram_size=0,
+               bad_words=None):
     values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                   frequency_penalty=frequency_penalty, typical_p=typical_p,
@@ -479,6 +494,7 @@ class SamplingParams:
                   dynatemp_range=dynatemp_range, dynatemp_exponent=dynatemp_exponent,
                   dry_multiplier=dry_multiplier, dry_base=dry_base,
                   dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
+                  mirostat=mirostat, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
                   no_repeat_ngram_size=no_repeat_ngram_size)
     converted = {field.name: _convert(field, values[field.name]) for field in _FIELDS}
     converted["logit_bias"] = _convert_bias(logit_bias)
@@ -631,6 +647,8 @@ class SamplingParams:
     - dry_multiplier: NaN or < 0 -> 0 (disabled), clipped to the finite float32 range;
       dry_base: NaN or < 1 -> 1, +inf -> the largest float32; dry_allowed_length < 1 -> 1;
       dry_penalty_last_n < -1 -> -1;
+    - mirostat other than 2 -> 0 (disabled); mirostat_tau and mirostat_eta: NaN -> their
+      defaults (5, 0.1), clipped to [0, the largest float32];
     - no_repeat_ngram_size: < 0 -> 0 (disabled), > NGRAM_MAX -> NGRAM_MAX.
     """
     def disabled_if_nan(v, off, lo, hi):
@@ -663,6 +681,9 @@ class SamplingParams:
         dry_base=disabled_if_nan(self.dry_base, 1.0, 1.0, _F32_MAX),
         dry_allowed_length=jnp.maximum(self.dry_allowed_length, 1),
         dry_penalty_last_n=jnp.maximum(self.dry_penalty_last_n, -1),
+        mirostat=jnp.where(self.mirostat == 2, 2, 0).astype(jnp.int32),
+        mirostat_tau=disabled_if_nan(self.mirostat_tau, 5.0, 0.0, _F32_MAX),
+        mirostat_eta=disabled_if_nan(self.mirostat_eta, 0.1, 0.0, _F32_MAX),
         no_repeat_ngram_size=jnp.clip(self.no_repeat_ngram_size, 0, NGRAM_MAX))
 
   def rows(self, index) -> "SamplingParams":
@@ -699,6 +720,11 @@ class SamplingParams:
     """True if a concrete rule reads the row's earlier tokens (`no_repeat_ngram_size`, DRY, or
     a `bad_words` sequence of two tokens or more): the call then needs the row's history."""
     return (self._summary if self._frozen else self._summarize())[2]
+
+  def uses_mirostat(self) -> bool:
+    """True if a concrete row sets mirostat (its state mu lives in the loops)."""
+    host = self._host
+    return host is not None and bool(np.any(np.asarray(host.mirostat) != 0))
 
   def draws_xtc(self) -> bool:
     """True if a concrete row applies XTC by chance (0 < xtc_probability < 1 and

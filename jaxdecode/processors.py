@@ -13,7 +13,8 @@
 5. top-nσ (`top_n_sigma`), on the logits the penalties left, before the temperature (as in
    llama.cpp's chain): its kept set is the same at every temperature > 0;
 6. temperature, or dynamic temperature (`dynatemp_range` > 0); 7. top-k; 8. top-p; 9. min-p; 10. typical-p; 11. epsilon; 12. eta;
-13. XTC (`xtc_threshold`, `xtc_probability`), last, on the distribution every truncation left.
+13. XTC (`xtc_threshold`, `xtc_probability`), on the distribution every truncation left;
+14. mirostat 2 (`mirostat=2`), last, with each row's state mu (the loops carry it).
 
 Steps 1-4 change the logits that everything after them sees, greedy rows (temperature 0)
 included: a temperature-0 row takes the argmax of the biased and penalized logits. Each
@@ -65,6 +66,17 @@ entropy in nats):
   that point (after the penalties and top-nσ) and N its number of selectable tokens; a
   row with one selectable token is left as it is; T = 0 rows stay greedy; a dynamic
   temperature of 0 makes the row greedy.
+- mirostat 2 (Basu et al. 2021, "Mirostat: A Neural Text Decoding Algorithm that Directly
+  Controls Perplexity"; llama.cpp's `llama_sampler_mirostat_v2`): a row with `mirostat=2` and
+  state mu keeps token i iff its surprise -log2 p_i <= mu, p the row's distribution at that
+  point (the last step of the chain); when no token has, its most probable token(s) stay. After
+  the token is drawn, mu <- mu - `mirostat_eta` · (s - `mirostat_tau`), s = -log2 of the
+  token's probability under the renormalized kept set (llama.cpp's reading); mu starts at
+  2·tau. The loops carry mu per row and update it when they record a token (so speculative
+  decoding, which records only accepted tokens, carries decode's mu); `process_logits` and
+  `sample` use the initial 2·tau. Mirostat 1 is not provided: its estimate of the Zipf exponent
+  reads the 100 most probable tokens in order (a partial sort whose tie order llama.cpp leaves
+  to std::sort) and its k then feeds a top-k, so an order-free exact statement was not done.
 - `no_repeat_ngram_size` = n (transformers' NoRepeatNGramLogitsProcessor) bans token v iff
   the row's last n - 1 tokens followed by v form an n-gram that already occurs in the row's
   tokens (n = 1: every token the row holds). The row's tokens are its history: the prompt
@@ -492,6 +504,30 @@ def apply_xtc(x: jax.Array, cut_at: jax.Array, probability: jax.Array,
   return _platform.skip_unless(jnp.any(active), cut, x)
 
 
+LN2 = 0.6931471805599453
+
+
+def apply_mirostat(x: jax.Array, mirostat: jax.Array, mu: jax.Array) -> jax.Array:
+  """mirostat 2's cut: rows with mirostat == 2 keep the tokens of surprise -log2 p <= mu and
+  their most probable token(s) (which are kept whenever anything is)."""
+  active = mirostat == 2  # [B]
+
+  def cut(x):
+    _, log_p, _ = distribution(x)
+    keep = (-log_p / LN2 <= mu[:, None]) | (x == jnp.max(x, axis=-1, keepdims=True))
+    return jnp.where(keep | ~active[:, None], x, _NEG_INF)
+
+  return _platform.skip_unless(jnp.any(active), cut, x)
+
+
+def mirostat_update(mu: jax.Array, logprob: jax.Array, params: SamplingParams) -> jax.Array:
+  """mu - eta·(s - tau) for rows with mirostat == 2 (others unchanged); s = -logprob / ln 2,
+  the drawn token's surprise in bits under the kept set."""
+  s = -logprob / LN2
+  return jnp.where(params.mirostat == 2, mu - params.mirostat_eta * (s - params.mirostat_tau),
+                   mu)
+
+
 def ngram_bans(history: jax.Array, size: jax.Array) -> jax.Array:
   """bool[B, H]: True at the history entries that `no_repeat_ngram_size` bans: history[j] where
   the n - 1 tokens before it equal the row's last n - 1 tokens (n = size[b]; n = 1 bans every
@@ -650,7 +686,7 @@ def apply_history_bans(x: jax.Array, history: jax.Array | None, ngram: jax.Array
 
 def process_f32(logits: jax.Array, params: SamplingParams,
                 counts: jax.Array | None = None, keys: jax.Array | None = None,
-                history: jax.Array | None = None) -> jax.Array:
+                history: jax.Array | None = None, mu: jax.Array | None = None) -> jax.Array:
   """The whole chain, in this module's order, on logits of any float dtype; float32 out.
 
   Args:
@@ -663,12 +699,14 @@ def process_f32(logits: jax.Array, params: SamplingParams,
     history: int32[B, H], each row's tokens so far, oldest first, its newest at H - 1, padded
       with negative ids at the start (`no_repeat_ngram_size`, `bad_words`), or None (no token
       yet: the rules that read it ban only one-token bad words).
+    mu: float32[B], each row's mirostat state (the loops carry it), or None: its initial
+      value 2·mirostat_tau.
   """
   u = None if keys is None else xtc_uniforms(keys)
-  return _platform.by_platform(_process_f32, logits, params, counts, u, history)
+  return _platform.by_platform(_process_f32, logits, params, counts, u, history, mu)
 
 
-def _process_f32(logits, params, counts, u, history):
+def _process_f32(logits, params, counts, u, history, mu):
   x = remove_nan(logits)
   x = apply_token_sets(x, params.banned_token_ids, params.allowed_token_ids)
   x = apply_history_bans(x, history, params.no_repeat_ngram_size, params.bad_words)
@@ -688,7 +726,8 @@ def _process_f32(logits, params, counts, u, history):
   x = apply_typical_p(x, params.typical_p)
   x = apply_epsilon_cutoff(x, params.epsilon_cutoff)
   x = apply_eta_cutoff(x, params.eta_cutoff)
-  return apply_xtc(x, params.xtc_threshold, params.xtc_probability, u)
+  x = apply_xtc(x, params.xtc_threshold, params.xtc_probability, u)
+  return apply_mirostat(x, params.mirostat, 2.0 * params.mirostat_tau if mu is None else mu)
 
 
 def cast_saturating(x: jax.Array, dtype) -> jax.Array:

@@ -65,7 +65,9 @@ def _params(batch):
       temperature=jnp.array([0.0, 1.3, 0.7])[:batch], top_k=jnp.array([0, 5, 0])[:batch],
       top_p=jnp.array([1.0, 0.9, 0.6])[:batch], min_p=jnp.array([0.0, 0.0, 0.05])[:batch],
       typical_p=jnp.array([1.0, 0.95, 1.0])[:batch],
-      repetition_penalty=jnp.array([1.0, 1.3, 1.0])[:batch], min_new_tokens=2)
+      repetition_penalty=jnp.array([1.0, 1.3, 1.0])[:batch], min_new_tokens=2,
+      mirostat=jnp.array([0, 0, 2])[:batch], mirostat_tau=2.0, dry_multiplier=0.5,
+      no_repeat_ngram_size=jnp.array([0, 3, 0])[:batch])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,6 +189,7 @@ def test_the_sampling_chain_is_the_same_in_both_formulations():
       presence_penalty=pick(0, 0.5), logit_bias={3: 2.0, 7: -100.0}, banned_token_ids=[11],
       top_n_sigma=pick(0, 1, 2.5), xtc_threshold=pick(0.01, 0.1, 0.6), xtc_probability=pick(0, 1),
       dynatemp_range=pick(0, 0.5, 2), dynatemp_exponent=pick(0, 1, 2),
+      mirostat=jnp.asarray(rng.choice([0, 2], batch), jnp.int32), mirostat_tau=pick(0, 1, 3),
       dry_multiplier=pick(0, 0.8), dry_allowed_length=jnp.asarray(
           rng.choice([1, 2], batch), jnp.int32), dry_sequence_breakers=[3, 17],
       no_repeat_ngram_size=jnp.asarray(rng.choice([0, 1, 2, 3], batch), jnp.int32),

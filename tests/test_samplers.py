@@ -1,4 +1,4 @@
-"""top-nσ, XTC, dynamic temperature, DRY, no_repeat_ngram_size and bad_words: exact against the plain-Python references
+"""top-nσ, XTC, dynamic temperature, DRY, mirostat 2, no_repeat_ngram_size and bad_words: exact against the plain-Python references
 of tests/reference.py on hostile rows, and composed with every loop (decode, speculative,
 beam search) with rows bitwise the same alone and batched."""
 
@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 import jaxdecode
-from jaxdecode import SamplingParams, processors
+from jaxdecode import SamplingParams, processors, sampling
 import reference as ref
 import toy_model
 
@@ -280,6 +280,9 @@ def test_dry_matches_llama_cpp_on_hostile_histories():
     ("dry_multiplier", -1.0, "dry_multiplier must be a finite number >= 0"),
     ("dry_penalty_last_n", -2, "an integer >= -1"),
     ("dry_sequence_breakers", [-3], "token ids"),
+    ("mirostat", 1, "mirostat must be 0 (off) or 2"),
+    ("mirostat_tau", -1.0, "mirostat_tau must be a finite number >= 0"),
+    ("mirostat_eta", float("nan"), "got nan"),
     ("no_repeat_ngram_size", 33, "got 33"),
     ("no_repeat_ngram_size", 2.0, "pass integers"),
     ("bad_words", [[1, -2]], "token ids"),
@@ -328,6 +331,9 @@ LOOP_PARAMS = SamplingParams(
     dry_allowed_length=np.array([2, 2, 1, 2, 2, 3], np.int32),
     dry_penalty_last_n=np.array([-1, 6, -1, -1, -1, 10], np.int32),
     dry_sequence_breakers=[[], [3], [], [], [], [0, 9]],
+    mirostat=np.array([0, 2, 0, 0, 2, 0], np.int32),
+    mirostat_tau=np.array([5.0, 1.5, 5.0, 5.0, 0.8, 5.0], np.float32),
+    mirostat_eta=np.array([0.1, 0.5, 0.1, 0.1, 1.0, 0.1], np.float32),
     no_repeat_ngram_size=np.array([2, 0, 0, 1, 3, 2], np.int32),
     bad_words=[[[1, 2, 3]], None, None, [[2, 5]], [[0, 7, 0]], [[3, 3], [10]]])
 
@@ -347,18 +353,29 @@ def prompt_array():
   return out
 
 
+@jax.jit
+def one_step(keys, logits, params, history, mu):
+  """One step of sampling with a mirostat state: the chain, one draw, mu's update."""
+  params = params.sanitized()
+  processed = processors.process_f32(logits, params, None, keys, history, mu)
+  token, logprob = sampling.draw(keys, processed)
+  return token, logprob, processors.mirostat_update(mu, logprob, params)
+
+
 def python_loop(params, key, prompts):
-  """decode written as a Python loop of single steps: jaxdecode.sample_with_logprobs with the
-  row keys fold_in(fold_in(key, row), t) and the history prompt + new tokens."""
+  """decode written as a Python loop of single steps (`one_step`) with the row keys
+  fold_in(fold_in(key, row), t), the history prompt + new tokens and mu carried by hand."""
   logits, state, positions = toy_model.prefill_bigram(BIGRAM, prompts, 32)
   rows = len(prompts)
+  params = params.broadcast(rows, VOCAB)
   row_keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(rows))
   tokens, logprobs = [], []
+  mu = 2.0 * params.mirostat_tau
   for t in range(N):
     keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, t)
     history = left_padded([list(p) + [int(v) for v in col] for p, col in
                            zip(prompts, np.array(tokens, np.int32).reshape(t, rows).T)], 32)
-    token, logprob = jaxdecode.sample_with_logprobs(keys, logits, params, history=history)
+    token, logprob, mu = one_step(keys, logits, params, history, mu)
     tokens.append(np.asarray(token))
     logprobs.append(np.asarray(logprob))
     logits, state = STEP(state, token, positions + t)
@@ -435,3 +452,79 @@ def test_beam_search_bans_repeated_ngrams_and_bad_words_and_refuses_an_xtc_coin(
   with pytest.raises(ValueError, match="beam_search draws nothing"):
     jaxdecode.beam_search(STEP, state, logits, beam_size=2, max_new_tokens=4,
                           positions=positions, params=SamplingParams(xtc_probability=0.5))
+  with pytest.raises(ValueError, match="beam_search does not carry mirostat"):
+    jaxdecode.beam_search(STEP, state, logits, beam_size=2, max_new_tokens=4,
+                          positions=positions, params=SamplingParams(mirostat=2))
+
+
+def mirostat_reference(prompts, tokens, logprobs, tau, eta):
+  """llama.cpp's mirostat 2 over the bigram model, in float64, along the tokens decode drew: at
+  each step the kept set for mu (the drawn token must be in it), the drawn token's probability
+  under the renormalized kept set (decode's log-probability must match it), then mu's update.
+  Returns how many steps had a token near the cut (not checked)."""
+  table = np.asarray(BIGRAM, np.float64)
+  unsure = 0
+  for b, prompt in enumerate(prompts):
+    mu = 2.0 * tau[b]
+    last = prompt[-1]
+    for t in range(tokens.shape[1]):
+      probs = ref.softmax64(table[last])
+      surprise = -np.log2(probs)
+      keep = (surprise <= mu) | (probs == probs.max())
+      kept = np.where(keep, probs, 0.0) / np.where(keep, probs, 0.0).sum()
+      token = int(tokens[b, t])
+      if np.min(np.abs(surprise - mu)) < 1e-4:
+        unsure += 1
+      else:
+        assert keep[token], (b, t, token, mu)
+        np.testing.assert_allclose(logprobs[b, t], np.log(kept[token]), atol=2e-5)
+      mu = mu - eta[b] * (-np.log2(kept[token]) - tau[b])
+      last = token
+  return unsure
+
+
+@pytest.mark.slow
+def test_mirostat_2_in_decode_follows_llama_cpp_and_keeps_mu_per_row():
+  """Per row tau and eta, tau = 0 (only the most probable token, mu stays 0) and eta = 0 (mu
+  stays 2 tau); logprobs_mode="raw" reports other log-probabilities but draws the same tokens
+  (mu learns from the processed ones); every row alone gives its batch bits."""
+  tau = np.array([3.0, 0.0, 1.0, 2.0, 0.5, 4.0], np.float32)
+  eta = np.array([0.1, 0.3, 0.0, 1.0, 0.5, 0.2], np.float32)
+  params = SamplingParams(mirostat=2, mirostat_tau=tau, mirostat_eta=eta)
+  key = jax.random.key(21)
+  out = run_decode(params, key)
+  tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
+  assert mirostat_reference(PROMPTS, tokens, logprobs, tau, eta) <= 2
+  table = np.asarray(BIGRAM)
+  assert all(tokens[1, t] == np.argmax(table[([PROMPTS[1][-1]] + list(tokens[1]))[t]])
+             for t in range(N))  # tau = 0: greedy
+  assert (logprobs[1] == 0).all() and (logprobs[0] < 0).any()
+  logits, state, positions = toy_model.prefill_bigram(BIGRAM, PROMPTS, 32)
+  raw = jaxdecode.decode(STEP, state, logits, key=key, params=params, max_new_tokens=N,
+                         positions=positions, prompt_tokens=prompt_array(), logprobs_mode="raw")
+  np.testing.assert_array_equal(raw.tokens, out.tokens)
+  assert not np.array_equal(raw.logprobs, out.logprobs)
+  for b in (0, 4):
+    alone = jaxdecode.decode(
+        STEP, *_prefill_one(b), key=jax.random.fold_in(key, b)[None], params=params.rows(
+            np.array([b])), max_new_tokens=N, positions=jnp.array([len(PROMPTS[b])]),
+        prompt_tokens=prompt_array()[b:b + 1])
+    np.testing.assert_array_equal(alone.tokens[0], out.tokens[b])
+    np.testing.assert_array_equal(alone.logprobs[0], out.logprobs[b])
+
+
+@pytest.mark.slow
+def test_mirostat_first_step_frequencies_match_the_kept_distribution():
+  """sample() has no state: it cuts at the initial mu = 2 tau."""
+  row = np.asarray(BIGRAM)[3]
+  probs = ref.softmax64(row)
+  tau = float(np.sort(-np.log2(probs))[3]) / 2 + 0.05  # keeps the 4 most probable
+  keep = -np.log2(probs) <= 2 * tau
+  assert keep.sum() == 4
+  expected = np.where(keep, probs, 0.0) / probs[keep].sum()
+  logits = jnp.broadcast_to(jnp.asarray(row), (N_DRAWS, row.size))
+  tokens = np.asarray(jaxdecode.sample(jax.random.key(5), logits,
+                                       SamplingParams(mirostat=2, mirostat_tau=tau)))
+  counts = np.bincount(tokens, minlength=row.size)
+  assert counts[~keep].sum() == 0
+  assert stats.chisquare(counts[keep], N_DRAWS * expected[keep]).pvalue > 1e-3

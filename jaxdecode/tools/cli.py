@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--dry-sequence-breaker", action="append", default=None, metavar="CHAR",
                  help="DRY: a one-token text that ends a repeat (repeatable; default: "
                       "llama.cpp's newline, ':', '\"' and '*')")
+  g.add_argument("--mirostat", type=integer, default=0, choices=(0, 2), metavar="{0,2}",
+                 help="2: mirostat 2, which steers each step's surprise toward --mirostat-tau")
+  g.add_argument("--mirostat-tau", type=number, default=5.0, metavar="TAU",
+                 help="mirostat: the target surprise, in bits")
+  g.add_argument("--mirostat-eta", type=number, default=0.1, metavar="ETA",
+                 help="mirostat: the learning rate of its state")
   g.add_argument("--no-repeat-ngram-size", type=integer, default=0, metavar="N",
                  help="never repeat an n-gram of the prompt and new text (transformers'; 0 off)")
   g.add_argument("--bad-word", action="append", default=None, metavar="TEXT",
@@ -195,6 +201,7 @@ _CONTROL = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetit
             "top_n_sigma": 0.0, "xtc_threshold": 0.1, "xtc_probability": 0.0,
             "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "dry_multiplier": 0.0,
             "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+            "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
             "no_repeat_ngram_size": 0}
 
 
