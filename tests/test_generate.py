@@ -608,10 +608,16 @@ def test_generate_stream_and_the_cli_give_the_history_rules_the_prompt(tiny, cap
     start = len(TOK.encode(prompt)) - 2  # the first trigram that ends in a new token
     assert all(g not in grams[:i] for i, g in enumerate(grams) if i >= start), seq
     assert "cd" not in out.texts[b]
+  # Sampled rows with the stateful rules (mirostat's mu, DRY's history): stream = generate.
+  sampled = jaxdecode.SamplingParams(temperature=[0.9, 1.1], mirostat=[2, 0], mirostat_tau=3.0,
+                                     dry_multiplier=0.8, dynatemp_range=[0.0, 0.5],
+                                     no_repeat_ngram_size=3)
+  whole = generate(prompts, model=model, params=sampled, max_new_tokens=12, seed=4)
   streamed = ["", ""]
-  for chunk in jaxdecode.models.stream(prompts, model=model, params=params, max_new_tokens=12):
+  for chunk in jaxdecode.models.stream(prompts, model=model, params=sampled, max_new_tokens=12,
+                                       seed=4, chunk_size=5):
     streamed = [s + t for s, t in zip(streamed, chunk.texts)]
-  assert streamed == out.texts
+  assert streamed == whole.texts
   code, printed, _ = run_cli(capsys, "generate", *prompts, "--model", path, "--greedy",
                              "--no-repeat-ngram-size", "3", "--bad-word", "cd", "--top-n-sigma",
                              "2", "--xtc-probability", "1", "--xtc-threshold", "0.2",

@@ -1,6 +1,9 @@
-"""top-nσ, XTC, dynamic temperature, DRY, mirostat 2, no_repeat_ngram_size and bad_words: exact against the plain-Python references
-of tests/reference.py on hostile rows, and composed with every loop (decode, speculative,
-beam search) with rows bitwise the same alone and batched."""
+"""top-nσ, XTC, dynamic temperature, DRY, mirostat 2, no_repeat_ngram_size and bad_words:
+exact against the plain-Python references of tests/reference.py on hostile rows, and composed
+with every loop (decode, speculative, beam search, constraints) with rows bitwise the same
+alone and batched."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -528,3 +531,28 @@ def test_mirostat_first_step_frequencies_match_the_kept_distribution():
   counts = np.bincount(tokens, minlength=row.size)
   assert counts[~keep].sum() == 0
   assert stats.chisquare(counts[keep], N_DRAWS * expected[keep]).pvalue > 1e-3
+
+
+@pytest.mark.slow
+def test_the_new_rules_compose_with_a_constraint_in_decode_and_speculative_decoding():
+  """Under a regex every finished row is a whole match (the rules only remove or reweigh the
+  tokens the automaton allows), and speculative decoding still equals decode bit for bit."""
+  letters = [bytes([c]) for c in b"abcdefghij"]
+  vocab = jaxdecode.structured.Vocabulary(letters + [None], eos_ids=[10])  # V = 11, EOS 10
+  constraint = jaxdecode.structured.regex(r"(ab|c|de)+", vocab)
+  key = jax.random.key(4)
+  logits, state, positions = toy_model.prefill_bigram(BIGRAM, PROMPTS, 32)
+  args = dict(key=key, params=LOOP_PARAMS, max_new_tokens=N, positions=positions,
+              prompt_tokens=prompt_array(), constraint=constraint, eos_ids=[10])
+  out = jaxdecode.decode(STEP, state, logits, **args)
+  prompt_tokens, prompt_lengths = jaxdecode.right_pad(PROMPTS, width=8)
+  spec = jaxdecode.speculative_decode(
+      STEP, state, logits, drafter=jaxdecode.NgramDrafter(prompt_tokens, prompt_lengths),
+      num_draft_tokens=3, **args)
+  np.testing.assert_array_equal(spec.tokens, out.tokens)
+  np.testing.assert_array_equal(spec.logprobs, out.logprobs)
+  finished = np.asarray(out.finished)
+  assert finished.any()
+  for b in np.flatnonzero(finished):
+    text = bytes(letters[t][0] for t in np.asarray(out.tokens[b, :out.lengths[b] - 1]))
+    assert re.fullmatch(rb"(ab|c|de)+", text), text
