@@ -681,7 +681,7 @@ class SamplingParams:
         dry_base=disabled_if_nan(self.dry_base, 1.0, 1.0, _F32_MAX),
         dry_allowed_length=jnp.maximum(self.dry_allowed_length, 1),
         dry_penalty_last_n=jnp.maximum(self.dry_penalty_last_n, -1),
-        mirostat=jnp.where(self.mirostat == 2, 2, 0).astype(jnp.int32),
+        mirostat=jnp.where(self.mirostat == 2, self.mirostat, 0),
         mirostat_tau=disabled_if_nan(self.mirostat_tau, 5.0, 0.0, _F32_MAX),
         mirostat_eta=disabled_if_nan(self.mirostat_eta, 0.1, 0.0, _F32_MAX),
         no_repeat_ngram_size=jnp.clip(self.no_repeat_ngram_size, 0, NGRAM_MAX))

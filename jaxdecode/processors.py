@@ -461,7 +461,7 @@ def dynamic_temperature(x: jax.Array, t: jax.Array, spread: jax.Array,
     weighted = _reduce.row_sum(jnp.where(e > 0, e * (x - m), 0.0))  # [B], <= 0
     safe_z = jnp.where(z > 0, z, 1.0)
     entropy = jnp.log(safe_z) - weighted / safe_z
-    count = jnp.sum((x > _NEG_INF).astype(jnp.int32), axis=-1)  # integers: exact
+    count = jnp.sum(x > _NEG_INF, axis=-1, dtype=jnp.int32)  # integers: exact
     log_n = jnp.log(jnp.maximum(count, 2).astype(jnp.float32))
     normalized = jnp.clip(entropy / log_n, 0.0, 1.0)
     low = jnp.maximum(t - spread, 0.0)
@@ -556,7 +556,7 @@ def bad_word_bans(history: jax.Array, words: jax.Array) -> jax.Array:
   history: int32[B, H] as in `ngram_bans` (H may be 0: then only one-token words are banned).
   """
   width = history.shape[1]
-  length = jnp.sum((words >= 0).astype(jnp.int32), axis=-1)  # [B, K]
+  length = jnp.sum(words >= 0, axis=-1, dtype=jnp.int32)  # [B, K]
   ok = length >= 1
   for q in range(words.shape[-1] - 1):  # the q-th id of the prefix against the history
     needed = q < length - 1
@@ -594,7 +594,8 @@ def suffix_runs(history: jax.Array, start: jax.Array) -> jax.Array:
 
   init = (jnp.int32(1), jnp.ones(history.shape, bool), jnp.zeros(history.shape, jnp.int32))
   if _platform.mode() == _platform.STRAIGHT:
-    _, _, run = lax.fori_loop(1, width + 1, lambda i, c: (i + 1, *body(i, c[1], c[2])), init)
+    _, run = lax.fori_loop(jnp.int32(1), jnp.int32(width + 1), lambda i, c: body(i, *c),
+                           init[1:])
     return run
 
   def cond(c):
@@ -626,7 +627,7 @@ def apply_dry(x: jax.Array, history: jax.Array | None, multiplier: jax.Array, ba
     return x
   width = history.shape[1]
   breakers = valid_ids(breakers, vocab)  # [B, K]
-  tokens = jnp.sum((history >= 0).astype(jnp.int32), axis=-1)  # [B]
+  tokens = jnp.sum(history >= 0, axis=-1, dtype=jnp.int32)  # [B]
   window = jnp.where(last_n < 0, tokens, jnp.minimum(last_n, tokens))  # [B]
   active = (multiplier != 0) & (base >= 1) & (last_n != 0) & (window > allowed)
 

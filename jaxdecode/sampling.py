@@ -116,7 +116,7 @@ def sample_rows(keys: jax.Array, logits: jax.Array, params: SamplingParams,
 
 
 @jax.jit
-def _sample(key, logits, params, counts, history):
+def _sample(key, logits, params, counts, history=None):
   return sample_rows(row_keys(key, logits.shape[0]), logits, params.sanitized(), counts,
                      history)
 

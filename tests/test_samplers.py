@@ -407,7 +407,7 @@ def test_decode_with_the_new_rules_equals_a_python_loop_and_rows_alone():
     assert repeats(seq, len(PROMPTS[b]), n) == [], seq
   assert repeats(PROMPTS[0] + [3], 5, 2) == [5]  # the check itself can fail
   # A row alone: bitwise its tokens and log-probs in the batch (its key: fold_in(key, row)).
-  for b in (2, 5):
+  for b in range(len(PROMPTS)):
     alone = jaxdecode.decode(
         STEP, *_prefill_one(b), key=jax.random.fold_in(key, b)[None],
         params=LOOP_PARAMS.rows(np.array([b])), max_new_tokens=N,
