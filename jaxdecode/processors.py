@@ -483,14 +483,16 @@ def xtc_uniforms(keys: jax.Array) -> jax.Array:
 
 
 def apply_xtc(x: jax.Array, cut_at: jax.Array, probability: jax.Array,
-              u: jax.Array | None) -> jax.Array:
+              keys: jax.Array | None) -> jax.Array:
   """XTC: where the row's uniform u < probability, if two or more tokens have p >= cut_at,
   removes those of them more probable than the least probable of them (ties at that least
-  probability all stay). u None: only rows with probability >= 1 act."""
-  coin = probability >= 1 if u is None else u < probability
-  active = (probability > 0) & (cut_at <= 0.5) & coin  # [B]
+  probability all stay). u is `xtc_uniforms(keys)`, drawn only when some row could act; keys
+  None: only rows with probability >= 1 act."""
+  enabled = (probability > 0) & (cut_at <= 0.5)  # [B]
 
   def cut(x):
+    coin = probability >= 1 if keys is None else xtc_uniforms(keys) < probability
+    active = enabled & coin
     # p_i >= threshold as e_i >= threshold · z (e_i = exp(x_i - max), z their sum): no division
     # pass; the least probable of them is the least e (p's order, ties included).
     e, _ = threshold.unnormalized_probs(x)
@@ -501,7 +503,7 @@ def apply_xtc(x: jax.Array, cut_at: jax.Array, probability: jax.Array,
     remove = active[:, None] & above & (e > least)
     return jnp.where(remove, _NEG_INF, x)
 
-  return _platform.skip_unless(jnp.any(active), cut, x)
+  return _platform.skip_unless(jnp.any(enabled), cut, x)
 
 
 LN2 = 0.6931471805599453
@@ -594,8 +596,8 @@ def suffix_runs(history: jax.Array, start: jax.Array) -> jax.Array:
 
   init = (jnp.int32(1), jnp.ones(history.shape, bool), jnp.zeros(history.shape, jnp.int32))
   if _platform.mode() == _platform.STRAIGHT:
-    _, run = lax.fori_loop(jnp.int32(1), jnp.int32(width + 1), lambda i, c: body(i, *c),
-                           init[1:])
+    # Python bounds: a constant trip count (int64 under x64, so the index is cast).
+    _, run = lax.fori_loop(1, width + 1, lambda i, c: body(i.astype(jnp.int32), *c), init[1:])
     return run
 
   def cond(c):
@@ -703,11 +705,10 @@ def process_f32(logits: jax.Array, params: SamplingParams,
     mu: float32[B], each row's mirostat state (the loops carry it), or None: its initial
       value 2·mirostat_tau.
   """
-  u = None if keys is None else xtc_uniforms(keys)
-  return _platform.by_platform(_process_f32, logits, params, counts, u, history, mu)
+  return _platform.by_platform(_process_f32, logits, params, counts, keys, history, mu)
 
 
-def _process_f32(logits, params, counts, u, history, mu):
+def _process_f32(logits, params, counts, keys, history, mu):
   x = remove_nan(logits)
   x = apply_token_sets(x, params.banned_token_ids, params.allowed_token_ids)
   x = apply_history_bans(x, history, params.no_repeat_ngram_size, params.bad_words)
@@ -727,7 +728,7 @@ def _process_f32(logits, params, counts, u, history, mu):
   x = apply_typical_p(x, params.typical_p)
   x = apply_epsilon_cutoff(x, params.epsilon_cutoff)
   x = apply_eta_cutoff(x, params.eta_cutoff)
-  x = apply_xtc(x, params.xtc_threshold, params.xtc_probability, u)
+  x = apply_xtc(x, params.xtc_threshold, params.xtc_probability, keys)
   return apply_mirostat(x, params.mirostat, 2.0 * params.mirostat_tau if mu is None else mu)
 
 
