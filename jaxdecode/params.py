@@ -32,7 +32,6 @@ import numpy as np
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
-NGRAM_MAX = 32  # the largest no_repeat_ngram_size (its match runs over n - 1 static shifts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +94,7 @@ _FIELDS = (
     _Field("mirostat_eta", 0.1, False, "a finite number >= 0 (the learning rate)",
            lambda v: np.isfinite(v) & (v >= 0)),
     _Field("no_repeat_ngram_size", 0, True,
-           f"an integer with 0 <= no_repeat_ngram_size <= {NGRAM_MAX} (0 disables)",
-           lambda v: (v >= 0) & (v <= NGRAM_MAX)),
+           "an integer >= 0 (0 disables)", lambda v: v >= 0),
 )
 _NUMBER_NAMES = tuple(f.name for f in _FIELDS)
 _TOKEN_NAMES = ("logit_bias", "banned_token_ids", "allowed_token_ids", "dry_sequence_breakers",
@@ -649,7 +647,7 @@ class SamplingParams:
       dry_penalty_last_n < -1 -> -1;
     - mirostat other than 2 -> 0 (disabled); mirostat_tau and mirostat_eta: NaN -> their
       defaults (5, 0.1), clipped to [0, the largest float32];
-    - no_repeat_ngram_size: < 0 -> 0 (disabled), > NGRAM_MAX -> NGRAM_MAX.
+    - no_repeat_ngram_size: < 0 -> 0 (disabled).
     """
     def disabled_if_nan(v, off, lo, hi):
       return jnp.where(jnp.isnan(v), off, jnp.clip(v, lo, hi))
@@ -684,7 +682,7 @@ class SamplingParams:
         mirostat=jnp.where(self.mirostat == 2, self.mirostat, 0),
         mirostat_tau=disabled_if_nan(self.mirostat_tau, 5.0, 0.0, _F32_MAX),
         mirostat_eta=disabled_if_nan(self.mirostat_eta, 0.1, 0.0, _F32_MAX),
-        no_repeat_ngram_size=jnp.clip(self.no_repeat_ngram_size, 0, NGRAM_MAX))
+        no_repeat_ngram_size=jnp.maximum(self.no_repeat_ngram_size, 0))
 
   def rows(self, index) -> "SamplingParams":
     """The params of some rows: `index` is anything that indexes a `[B]` axis (an int array to

@@ -118,7 +118,7 @@ from jaxdecode import _checks
 from jaxdecode import _platform
 from jaxdecode import _reduce
 from jaxdecode import threshold
-from jaxdecode.params import NGRAM_MAX, SamplingParams, as_field, check_eos_not_forced
+from jaxdecode.params import SamplingParams, as_field, check_eos_not_forced
 
 _NEG_INF = threshold.NEG_INF
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
@@ -534,19 +534,9 @@ def ngram_bans(history: jax.Array, size: jax.Array) -> jax.Array:
   """bool[B, H]: True at the history entries that `no_repeat_ngram_size` bans: history[j] where
   the n - 1 tokens before it equal the row's last n - 1 tokens (n = size[b]; n = 1 bans every
   token of the history; n <= 0 nothing). history: int32[B, H], padded with negative ids at the
-  start.
-
-  run[j], the length of the common suffix of history[:j] and the whole history, counted up to
-  NGRAM_MAX - 1 by static shifts: O(H · NGRAM_MAX), no data-dependent loop.
+  start. The run lengths are `suffix_runs` (DRY's): no bound on n.
   """
-  batch, width = history.shape
-  run = jnp.zeros(history.shape, jnp.int32)
-  alive = jnp.ones(history.shape, bool)
-  for i in range(1, min(NGRAM_MAX - 1, width) + 1):
-    before = jnp.pad(history, ((0, 0), (i, 0)), constant_values=-1)[:, :width]  # history[j - i]
-    last = history[:, width - i][:, None]  # history[H - i]
-    alive = alive & (before == last) & (last >= 0)
-    run = run + alive.astype(jnp.int32)
+  run = suffix_runs(history, jnp.zeros(history.shape[:1], jnp.int32))
   n = size[:, None]
   return (history >= 0) & (n >= 1) & (run >= n - 1)
 

@@ -215,7 +215,7 @@ def test_no_repeat_ngram_and_bad_words_match_transformers_on_hostile_histories()
   histories += [[3] * 12, [], [5], [1, 2, 1, 2, 1]]  # one repeated token, empty, one token
   sizes = np.array([rng.integers(0, 6) for _ in histories], np.int32)
   sizes[-4:] = [2, 1, 3, 2]
-  sizes[0] = 32  # longer than the history: nothing
+  sizes[0] = 40  # longer than the history: nothing
   words = [[[1, 2], [2, 3, 4], [5]], [], [[3, 3, 3]], [[0]]] * 3 + [[[2, 1]], [[1, 2, 1, 2, 3]]]
   words = words[:len(histories)]
   x = np.zeros(ROWS.shape, np.float32)
@@ -275,7 +275,7 @@ def test_dry_matches_llama_cpp_on_hostile_histories():
     ("xtc_threshold", 1.5, "0 <= xtc_threshold <= 1"),
     ("xtc_probability", -0.1, "0 <= xtc_probability <= 1"),
     ("xtc_probability", float("nan"), "got nan"),
-    ("no_repeat_ngram_size", -1, "0 <= no_repeat_ngram_size <= 32"),
+    ("no_repeat_ngram_size", -1, "no_repeat_ngram_size must be an integer >= 0"),
     ("dynatemp_range", -0.5, "dynatemp_range must be a finite number >= 0"),
     ("dynatemp_exponent", float("inf"), "got inf"),
     ("dry_allowed_length", 0, "dry_allowed_length must be an integer >= 1"),
@@ -286,7 +286,6 @@ def test_dry_matches_llama_cpp_on_hostile_histories():
     ("mirostat", 1, "mirostat must be 0 (off) or 2"),
     ("mirostat_tau", -1.0, "mirostat_tau must be a finite number >= 0"),
     ("mirostat_eta", float("nan"), "got nan"),
-    ("no_repeat_ngram_size", 33, "got 33"),
     ("no_repeat_ngram_size", 2.0, "pass integers"),
     ("bad_words", [[1, -2]], "token ids"),
     ("bad_words", [[1, 2], []], "non-empty"),
