@@ -363,7 +363,8 @@ def _beam_search(step_fn, state, logits, params, positions, eos_ids, pad_id, cou
   beam_row = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), k)  # [B*K]: each beam's prompt row
   spec = loop.LoopSpec(
       row_keys=sampling.row_keys(jax.random.key(0), rows),  # unused: the search draws nothing
-      params=_without_mirostat(params.rows(beam_row).sanitized()), is_eos=loop.eos_mask(eos_ids, vocab),
+      params=_without_mirostat(params.rows(beam_row).sanitized()),
+      is_eos=loop.eos_mask(eos_ids, vocab),
       pad_id=loop.checked_pad_id(pad_id, vocab), positions=positions[beam_row],
       logits_processors=logits_processors,
       constraint=None if constraint is None else dataclasses.replace(

@@ -328,7 +328,7 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
       text is a whole match. Its tables are traced (a new pattern of the same padded sizes does
       not recompile). None: unconstrained.
     prompt_tokens: `int[B, T]`, each row's prompt (negative ids are padding, at either end),
-      for the rules that read a row's history (`no_repeat_ngram_size`, `bad_words`): they see
+      for the rules that read a row's history (`no_repeat_ngram_size`, DRY, `bad_words`): they see
       the prompt and then the new tokens, as transformers does. None: the new tokens alone.
       Traced (new prompts of the same width do not recompile).
 

@@ -65,7 +65,8 @@ class LoopSpec:
       (pytrees: their array leaves are traced).
     constraint: a `jaxdecode.structured.Constraint` of B rows, or None.
     prompt: int32[B, T], each row's prompt right-aligned (its last token at T - 1, -1 before its
-      first), for the rules that read a row's history (`no_repeat_ngram_size`, `bad_words`);
+      first), for the rules that read a row's history (`no_repeat_ngram_size`, DRY,
+      `bad_words`);
       None: the history is the new tokens alone.
   """
   row_keys: jax.Array

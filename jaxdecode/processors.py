@@ -12,7 +12,8 @@
    history (llama.cpp's place: after its penalties, before top-nσ);
 5. top-nσ (`top_n_sigma`), on the logits the penalties left, before the temperature (as in
    llama.cpp's chain): its kept set is the same at every temperature > 0;
-6. temperature, or dynamic temperature (`dynatemp_range` > 0); 7. top-k; 8. top-p; 9. min-p; 10. typical-p; 11. epsilon; 12. eta;
+6. temperature, or dynamic temperature (`dynatemp_range` > 0); 7. top-k; 8. top-p; 9. min-p;
+10. typical-p; 11. epsilon; 12. eta;
 13. XTC (`xtc_threshold`, `xtc_probability`), on the distribution every truncation left;
 14. mirostat 2 (`mirostat=2`), last, with each row's state mu (the loops carry it).
 
@@ -162,9 +163,9 @@ def check_history(history, params: SamplingParams, batch: int, caller: str):
   """int32[B, H] history, or None; ValueError if a rule reads the history and none is given."""
   if history is None:
     if params.reads_history():
-      raise ValueError(f"no_repeat_ngram_size and bad_words of two tokens or more act on the "
-                       f"tokens each row has seen: pass history=[B, H] to {caller} (each row's "
-                       f"tokens, oldest first, padded with -1 at the start), or use "
+      raise ValueError(f"no_repeat_ngram_size, DRY and bad_words of two tokens or more act "
+                       f"on the tokens each row has seen: pass history=[B, H] to {caller} (each "
+                       f"row's tokens, oldest first, padded with -1 at the start), or use "
                        f"jaxdecode.decode, which carries them")
     return None
   history = _checks.array("history", history, "an integer array [B, H]")
@@ -772,7 +773,7 @@ def process_logits(logits: jax.Array, params: SamplingParams, *, counts=None, ke
       each row's key folded with `XTC_SALT`. Needed when a row has 0 < xtc_probability < 1;
       without it only rows with xtc_probability 1 apply XTC.
     history: `int[B, H]`, each row's tokens so far, oldest first, padded with -1 at the start;
-      needed by `no_repeat_ngram_size` and `bad_words` of two tokens or more.
+      needed by `no_repeat_ngram_size`, DRY and `bad_words` of two tokens or more.
 
   Returns:
     `[B, V]` logits of the input dtype: the processed distribution is their softmax; removed

@@ -153,7 +153,7 @@ def sample_with_logprobs(key, logits: jax.Array, params: SamplingParams | None =
     counts: `int[B, V]`, how often each row has seen each token (`jaxdecode.token_counts`);
       needed when a penalty is set.
     history: `int[B, H]`, each row's tokens so far, oldest first, padded with -1 at the start;
-      needed by `no_repeat_ngram_size` and `bad_words` of two tokens or more.
+      needed by `no_repeat_ngram_size`, DRY and `bad_words` of two tokens or more.
 
   Returns:
     `(tokens, logprobs)`: `int32[B]` and `float32[B]`, the log-probability of each chosen token

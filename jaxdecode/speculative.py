@@ -271,9 +271,9 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
       positions `positions[b] + j`; it must give bitwise the logits of K + 1 single steps (the
       embedded transformer's step does) for the output to equal `decode`'s. Static.
     state, logits, key, params, max_new_tokens, positions, eos_ids, pad_id, counts,
-    logits_processors, constraint, prompt_tokens: as in `decode` (drafts are verified under the constraint:
-      a draft token the automaton does not allow is never accepted, so the output is the
-      constrained `decode`'s).
+    logits_processors, constraint, prompt_tokens: as in `decode` (drafts are verified under
+      the constraint: a draft token the automaton does not allow is never accepted, so the
+      output is the constrained `decode`'s).
     drafter: a pytree with `propose(context: DraftContext, num_draft_tokens) -> (drafts
       int32[B, K], drafter)`, e.g. `NgramDrafter` or `ModelDrafter`.
     num_draft_tokens: K (static), drafts per round.
