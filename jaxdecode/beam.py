@@ -258,7 +258,7 @@ def beam_step(spec: loop.LoopSpec, s: BeamState, logits: jax.Array, t: jax.Array
   parents = state.replace(model_state=take_beams(state.model_state, rows, axes),
                           **{f: getattr(state, f)[rows] for f in
                              ("tokens", "logprobs", "lengths", "finished", "counts",
-                              "automaton")})
+                              "automaton", "mirostat_mu")})
   # Running beams never finish: an EOS id only ends the candidates that are finalized.
   keep_going = dataclasses.replace(spec, is_eos=jnp.zeros_like(spec.is_eos))
   new_beams = loop.record(keep_going, parents, _along(token, pick).reshape(-1),
@@ -348,8 +348,14 @@ def init_state(spec: loop.LoopSpec, model_state, counts: jax.Array, *, batch: in
       done=jnp.zeros((batch,), bool), dead_end=jnp.zeros((batch,), bool))
 
 
+def _without_mirostat(params: SamplingParams) -> SamplingParams:
+  """Traced mirostat values act as 0 in beam search (concrete ones are refused)."""
+  return params._with(mirostat=jnp.zeros_like(params.mirostat))  # pylint: disable=protected-access
+
+
 def _beam_search(step_fn, state, logits, params, positions, eos_ids, pad_id, counts,
-                 length_penalty, logits_processors, constraint, *, axes: tuple, beam_size: int,
+                 length_penalty, logits_processors, constraint, prompt_tokens=None, *,
+                 axes: tuple, beam_size: int,
                  num_return: int, max_new_tokens: int, early_stopping, chunk_size: int):
   batch, vocab = logits.shape
   k, n = beam_size, max_new_tokens
@@ -357,12 +363,15 @@ def _beam_search(step_fn, state, logits, params, positions, eos_ids, pad_id, cou
   beam_row = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), k)  # [B*K]: each beam's prompt row
   spec = loop.LoopSpec(
       row_keys=sampling.row_keys(jax.random.key(0), rows),  # unused: the search draws nothing
-      params=params.rows(beam_row).sanitized(), is_eos=loop.eos_mask(eos_ids, vocab),
+      params=_without_mirostat(params.rows(beam_row).sanitized()),
+      is_eos=loop.eos_mask(eos_ids, vocab),
       pad_id=loop.checked_pad_id(pad_id, vocab), positions=positions[beam_row],
       logits_processors=logits_processors,
       constraint=None if constraint is None else dataclasses.replace(
           constraint, initial=constraint.initial[beam_row],
-          automaton=constraint.automaton[beam_row]))
+          automaton=constraint.automaton[beam_row]),
+      prompt=None if prompt_tokens is None else loop.right_aligned_prompt(
+          prompt_tokens)[beam_row])
   model_state = expand_beams(state, axes, k)
   decoding.check_step_output(jax.eval_shape(step_fn, model_state, jnp.zeros(rows, jnp.int32),
                                             spec.positions), model_state, (rows, vocab))
@@ -412,7 +421,7 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
                 params: SamplingParams | None = None, state_axes: Any = 0,
                 num_return: int | None = None, counts=None, chunk_size: int = 16,
                 logits_processors: Sequence[Callable] | None = None,
-                constraint=None) -> BeamOutput:
+                constraint=None, prompt_tokens=None) -> BeamOutput:
   """Beam search over a model step function: the `num_return` best of `beam_size` beams per row.
 
   The semantics are those of transformers 4.x `generate(num_beams=K)` (PyTorch): each step takes
@@ -455,6 +464,10 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
       log-softmax of logits / T) and the truncations (removed tokens get log-probability -inf:
       the search never picks them). Temperature 0 makes each beam a point mass on its argmax.
       Per-row values apply to all beams of their row. Traced: new values do not recompile.
+      The search draws nothing, so XTC applies only where `xtc_probability` is 1 (a value
+      between 0 and 1 is refused; traced ones act as 0) and mirostat is refused (its state
+      is updated by drawn tokens; traced values act as 0); `no_repeat_ngram_size`, DRY and
+      `bad_words` read each beam's own history.
     state_axes: each state leaf's batch axis, as a pytree prefix of `state` like `jax.vmap`'s
       `in_axes`: an int for all leaves (default 0), or a tree with ints and None (a shared leaf,
       e.g. weights). 0-d leaves are always shared. The embedded transformer's state is
@@ -470,6 +483,8 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
     constraint: a `jaxdecode.structured` constraint, as in `decode` (one per prompt row with
       `stack`); each beam carries its automaton state, gathered from its parent, so every
       hypothesis that ends with EOS is a whole match.
+    prompt_tokens: `int[B, T]`, each row's prompt (negative ids are padding), for
+      `no_repeat_ngram_size` and `bad_words`, as in `decode`.
 
   Returns:
     A `BeamOutput` of `[B, R, ...]` arrays, best first.
@@ -526,6 +541,14 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
   eos = _checks.token_ids("eos_ids", eos_ids, vocab, many=True)
   params, counts = processors.check_call(logits, params, counts, caller="beam_search",
                                          loop=True, eos_ids=eos)
+  if params.uses_mirostat():
+    raise ValueError("beam_search does not carry mirostat's state (it draws no token whose "
+                     "surprise would update it): use mirostat=0, or sample with "
+                     "jaxdecode.decode")
+  if params.draws_xtc():
+    raise ValueError("beam_search draws nothing, so XTC cannot apply by chance: use "
+                     "xtc_probability 0 or 1 (1 applies it at every step), or sample with "
+                     "jaxdecode.decode")
   counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
   positions = _checks.row_integers("positions", positions, batch, "one per row of the logits")
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
@@ -536,6 +559,7 @@ def beam_search(step_fn: Callable, state: Any, logits: jax.Array, *, beam_size: 
   return _beam_search_jit(step_fn, state, jnp.asarray(logits), params, positions, eos, pad,
                           counts, length_penalty, loop.as_processors(logits_processors),
                           constraint,
+                          decoding.check_prompt_tokens(prompt_tokens, batch, "beam_search"),
                           axes=axes, beam_size=beam_size, num_return=num_return,
                           max_new_tokens=max_new_tokens, early_stopping=early_stopping,
                           chunk_size=chunk_size)

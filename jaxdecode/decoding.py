@@ -133,12 +133,26 @@ def check_fits(step_fn, state, positions, max_new_tokens: int, caller: str) -> N
 
 
 def make_spec(key, params: SamplingParams, positions, eos_ids, pad_id, logits_processors,
-              *, batch: int, vocab: int, constraint=None) -> loop.LoopSpec:
+              *, batch: int, vocab: int, constraint=None, prompt_tokens=None) -> loop.LoopSpec:
   """The `LoopSpec` of checked inputs, built under jit (sanitizes traced values by rule)."""
   return loop.LoopSpec(row_keys=sampling.row_keys(key, batch), params=params.sanitized(),
                        is_eos=loop.eos_mask(eos_ids, vocab),
                        pad_id=loop.checked_pad_id(pad_id, vocab), positions=positions,
-                       logits_processors=logits_processors, constraint=constraint)
+                       logits_processors=logits_processors, constraint=constraint,
+                       prompt=loop.right_aligned_prompt(prompt_tokens))
+
+
+def check_prompt_tokens(prompt_tokens, batch: int, caller: str):
+  """None, or the prompts as an int32 array [B, T] (negative ids are padding)."""
+  if prompt_tokens is None:
+    return None
+  prompt_tokens = _checks.array("prompt_tokens", prompt_tokens, "an integer array [B, T]")
+  if jnp.ndim(prompt_tokens) != 2 or jnp.shape(prompt_tokens)[0] != batch or \
+      not jnp.issubdtype(jnp.result_type(prompt_tokens), jnp.integer):
+    raise ValueError(f"{caller}: prompt_tokens must be an integer array [B, T] with B = {batch} "
+                     f"(each row's prompt, padded with -1); got shape {jnp.shape(prompt_tokens)} "
+                     f"and dtype {jnp.result_type(prompt_tokens)}")
+  return jnp.asarray(prompt_tokens, jnp.int32)
 
 
 def score(logits, processed, token, logprob, *, top_logprobs: int, logprobs_mode: str):
@@ -184,11 +198,12 @@ def draw_and_record(spec: loop.LoopSpec, s: loop.LoopState, top: TopState | None
     return loop.record(spec, s, token, logprob), top
   token, logprob, processed = loop.draw_processed(spec, s, logits, step)
   selectable = ~jnp.isnan(logprob)  # the processed log-probability marks a dead end
+  drawn = logprob  # mirostat's surprise is the processed one, whatever logprobs_mode reports
   logprob, ids, values = score(logits, processed, token, logprob, top_logprobs=top_logprobs,
                                logprobs_mode=logprobs_mode)
   if top is not None:
     top = _record_top(s, top, ids, values, selectable)
-  return loop.record(spec, s, token, logprob, selectable=selectable), top
+  return loop.record(spec, s, token, logprob, selectable=selectable, drawn_logprob=drawn), top
 
 
 def start(spec: loop.LoopSpec, model_state, logits, counts, max_new_tokens: int, *,
@@ -245,11 +260,11 @@ def output(carry) -> DecodeOutput:
 
 
 def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, counts,
-            logits_processors, constraint, *, max_new_tokens: int, chunk_size: int,
-            top_logprobs: int = 0, logprobs_mode: str = "processed"):
+            logits_processors, constraint, prompt_tokens=None, *, max_new_tokens: int,
+            chunk_size: int, top_logprobs: int = 0, logprobs_mode: str = "processed"):
   batch, vocab = logits.shape
   spec = make_spec(key, params, positions, eos_ids, pad_id, logits_processors, batch=batch,
-                   vocab=vocab, constraint=constraint)
+                   vocab=vocab, constraint=constraint, prompt_tokens=prompt_tokens)
   check_step_output(jax.eval_shape(step_fn, state, jnp.zeros(batch, jnp.int32), positions),
                     state, (batch, vocab))
   loop.check_processors(spec, batch, vocab, max_new_tokens)
@@ -270,7 +285,8 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
            max_new_tokens: int, positions: jax.Array, eos_ids: Sequence[int] = (),
            pad_id: int = 0, counts=None, chunk_size: int = 16,
            logits_processors: Sequence[Callable] | None = None, top_logprobs: int = 0,
-           logprobs_mode: str = "processed", constraint=None) -> DecodeOutput:
+           logprobs_mode: str = "processed", constraint=None,
+           prompt_tokens=None) -> DecodeOutput:
   """Generates up to `max_new_tokens` tokens per row with `lax.scan` over a model step function.
 
   Args:
@@ -317,6 +333,10 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
       tokens are masked first, before everything else, and an EOS id is allowed only where the
       text is a whole match. Its tables are traced (a new pattern of the same padded sizes does
       not recompile). None: unconstrained.
+    prompt_tokens: `int[B, T]`, each row's prompt (negative ids are padding, at either end),
+      for the rules that read a row's history (`no_repeat_ngram_size`, DRY, `bad_words`): they see
+      the prompt and then the new tokens, as transformers does. None: the new tokens alone.
+      Traced (new prompts of the same width do not recompile).
 
   Returns:
     A `DecodeOutput`. Every traced input (state, logits, key, params, positions, eos_ids,
@@ -356,8 +376,9 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
   constraint = structured.check(constraint, batch, vocab, "decode", params, eos_ids=eos_ids)
   check_fits(step_fn, state, positions, max_new_tokens, "decode")
+  prompt_tokens = check_prompt_tokens(prompt_tokens, batch, "decode")
   return _decode_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad, counts,
-                     loop.as_processors(logits_processors), constraint,
+                     loop.as_processors(logits_processors), constraint, prompt_tokens,
                      max_new_tokens=max_new_tokens,
                      chunk_size=chunk_size, top_logprobs=top_logprobs,
                      logprobs_mode=logprobs_mode)

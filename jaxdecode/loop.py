@@ -64,6 +64,10 @@ class LoopSpec:
     logits_processors: a tuple of user processors `(logits [B, V], DecodeContext) -> logits`
       (pytrees: their array leaves are traced).
     constraint: a `jaxdecode.structured.Constraint` of B rows, or None.
+    prompt: int32[B, T], each row's prompt right-aligned (its last token at T - 1, -1 before its
+      first), for the rules that read a row's history (`no_repeat_ngram_size`, DRY,
+      `bad_words`);
+      None: the history is the new tokens alone.
   """
   row_keys: jax.Array
   params: SamplingParams
@@ -72,6 +76,32 @@ class LoopSpec:
   positions: jax.Array
   logits_processors: tuple = ()
   constraint: Any = None
+  prompt: Any = None
+
+
+def right_aligned_prompt(prompt_tokens: jax.Array | None) -> jax.Array | None:
+  """int32[B, T] prompts whose negative ids are padding (at either end, or anywhere) -> each
+  row's tokens in order, right-aligned, -1 before them (a stable sort on validity; traced)."""
+  if prompt_tokens is None:
+    return None
+  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+  valid = prompt_tokens >= 0
+  order = jnp.argsort(valid.astype(jnp.int32), axis=1, stable=True)  # padding first, in order
+  moved = jnp.take_along_axis(prompt_tokens, order, axis=1)
+  return jnp.where(jnp.take_along_axis(valid, order, axis=1), moved, -1)
+
+
+def history(spec: LoopSpec, state: "LoopState") -> jax.Array:
+  """int32[B, T + N]: each row's prompt (`spec.prompt`; none: T = 0) and new tokens so far,
+  oldest first, its newest token at T + N - 1, -1 before its first."""
+  batch, n = state.tokens.shape
+  prompt = (jnp.zeros((batch, 0), jnp.int32) if spec.prompt is None else spec.prompt)
+  column = jnp.arange(n, dtype=jnp.int32)[None, :]
+  new = jnp.where(column < state.lengths[:, None], state.tokens, -1)
+  full = jnp.concatenate([prompt, new], axis=1)  # [B, T + N], padding after the new tokens
+  width = full.shape[1]
+  source = jnp.arange(width, dtype=jnp.int32)[None, :] - (n - state.lengths)[:, None]
+  return jnp.where(source >= 0, jnp.take_along_axis(full, jnp.maximum(source, 0), axis=1), -1)
 
 
 @jax.tree_util.register_dataclass
@@ -91,6 +121,8 @@ class LoopState:
       all -inf or NaN: a model past its cache, a processor that removes every token); the row
       stopped there, without a token for that step.
     automaton: int32[B], each row's state in `spec.constraint`'s automaton (0 without one).
+    mirostat_mu: float32[B], each row's mirostat state mu (2·mirostat_tau at the start; it
+      changes only in rows with mirostat == 2).
   """
   model_state: Any
   last: jax.Array
@@ -101,6 +133,7 @@ class LoopState:
   counts: jax.Array
   dead_end: jax.Array
   automaton: jax.Array
+  mirostat_mu: jax.Array
 
   def replace(self, **changes) -> "LoopState":
     return dataclasses.replace(self, **changes)
@@ -133,22 +166,27 @@ def init_state(spec: LoopSpec, model_state, counts: jax.Array, max_new_tokens: i
                    finished=jnp.zeros((batch,), bool), counts=counts,
                    dead_end=jnp.zeros((batch,), bool),
                    automaton=(jnp.zeros((batch,), jnp.int32) if spec.constraint is None
-                              else spec.constraint.initial))
+                              else spec.constraint.initial),
+                   mirostat_mu=jnp.broadcast_to(2.0 * spec.params.mirostat_tau,
+                                                (batch,)).astype(jnp.float32))
 
 
-def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array) -> jax.Array:
+def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array,
+            keys: jax.Array | None = None) -> jax.Array:
   """The processed float32 logits `[B, V]` of step `step[b]` of each row.
 
   In order: the constraint's mask (tokens its automaton does not allow from the row's state
   become -inf), the user logit processors, then EOS ids masked where `step < min_new_tokens`,
-  then the processor chain of `spec.params` with the state's counts. Every loop goes through
-  this, so they all apply the same rules.
+  then the processor chain of `spec.params` with the state's counts and history (`history`).
+  Every loop goes through this, so they all apply the same rules.
 
   Args:
     spec: the loop's fixed inputs.
     state: the current state (its tokens and counts feed the processors and penalties).
     logits: [B, V] the model's logits for this step.
     step: int32[B].
+    keys: the keys the step's tokens are drawn with (XTC's draw folds them); None for a loop
+      that draws nothing (beam search: XTC then acts only where its probability is 1).
   """
   if spec.constraint is not None:
     logits = jnp.where(structured.allowed(spec.constraint, state.automaton),
@@ -162,7 +200,8 @@ def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array
   logits = _platform.skip_unless(
       jnp.any(blocked) & jnp.any(spec.is_eos),
       lambda x: jnp.where(blocked[:, None] & spec.is_eos[None, :], -jnp.inf, x), logits)
-  return processors.process_f32(logits, spec.params, state.counts)
+  return processors.process_f32(logits, spec.params, state.counts, keys, history(spec, state),
+                                state.mirostat_mu)
 
 
 def draw(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array):
@@ -176,14 +215,15 @@ def draw(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array):
 def draw_processed(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array):
   """`draw`, also returning the processed logits it drew from: `(tokens, logprobs, processed
   float32[B, V])` (for the log-probability lists of `decode(top_logprobs=...)`)."""
-  processed = process(spec, state, logits, step)
   keys = jax.vmap(jax.random.fold_in)(spec.row_keys, step)
+  processed = process(spec, state, logits, step, keys)
   token, logprob = sampling.draw(keys, processed)
   return token, logprob, processed
 
 
 def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Array,
-           live: jax.Array | None = None, selectable: jax.Array | None = None) -> LoopState:
+           live: jax.Array | None = None, selectable: jax.Array | None = None,
+           drawn_logprob: jax.Array | None = None) -> LoopState:
   """Appends `token[b]` (with `logprob[b]`) to every row b that is `live` (default: `state.live`).
 
   The token goes to column `lengths[b]` and becomes the row's `last`; the row's count of it grows
@@ -191,6 +231,8 @@ def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Arra
   where `logprob` is NaN, `draw`'s mark of such a row) records nothing and stops: its `dead_end`
   is set and its length does not count the step. Rows not recorded keep their buffers; a
   finished or dead-ended row's `last` is pad_id (what the model is fed for it from then on).
+  A recorded row with mirostat updates its mu from `drawn_logprob` (default `logprob`), the
+  token's log-probability under the distribution it was drawn from.
   """
   recorded = state.live if live is None else live & state.live
   selectable = ~jnp.isnan(logprob) if selectable is None else selectable
@@ -209,7 +251,10 @@ def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Arra
       dead_end=dead_end,
       automaton=state.automaton if spec.constraint is None else jnp.where(
           recorded, structured.advance(spec.constraint, state.automaton, token),
-          state.automaton))
+          state.automaton),
+      mirostat_mu=jnp.where(recorded, processors.mirostat_update(
+          state.mirostat_mu, logprob if drawn_logprob is None else drawn_logprob, spec.params),
+                            state.mirostat_mu))
 
 
 def all_done(state: LoopState) -> jax.Array:

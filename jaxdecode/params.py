@@ -67,9 +67,38 @@ _FIELDS = (
            lambda v: (v >= 0) & (v < 1)),
     _Field("min_new_tokens", 0, True, "an integer >= 0 (0 disables)",
            lambda v: v >= 0),
+    _Field("top_n_sigma", 0.0, False, "a finite number (<= 0 disables, as in llama.cpp)",
+           np.isfinite),
+    _Field("xtc_threshold", 0.1, False,
+           "a number with 0 <= xtc_threshold <= 1 (> 0.5 disables XTC)",
+           lambda v: (v >= 0) & (v <= 1)),
+    _Field("xtc_probability", 0.0, False,
+           "a number with 0 <= xtc_probability <= 1 (0 disables XTC)",
+           lambda v: (v >= 0) & (v <= 1)),
+    _Field("dynatemp_range", 0.0, False,
+           "a finite number >= 0 (0 disables dynamic temperature)",
+           lambda v: np.isfinite(v) & (v >= 0)),
+    _Field("dynatemp_exponent", 1.0, False, "a finite number >= 0",
+           lambda v: np.isfinite(v) & (v >= 0)),
+    _Field("dry_multiplier", 0.0, False, "a finite number >= 0 (0 disables DRY)",
+           lambda v: np.isfinite(v) & (v >= 0)),
+    _Field("dry_base", 1.75, False, "a finite number >= 1",
+           lambda v: np.isfinite(v) & (v >= 1)),
+    _Field("dry_allowed_length", 2, True, "an integer >= 1", lambda v: v >= 1),
+    _Field("dry_penalty_last_n", -1, True,
+           "an integer >= -1 (-1: the whole history; 0 disables DRY)", lambda v: v >= -1),
+    _Field("mirostat", 0, True, "0 (off) or 2 (mirostat 2; mirostat 1 is not provided)",
+           lambda v: (v == 0) | (v == 2)),
+    _Field("mirostat_tau", 5.0, False, "a finite number >= 0 (the target surprise, in bits)",
+           lambda v: np.isfinite(v) & (v >= 0)),
+    _Field("mirostat_eta", 0.1, False, "a finite number >= 0 (the learning rate)",
+           lambda v: np.isfinite(v) & (v >= 0)),
+    _Field("no_repeat_ngram_size", 0, True,
+           "an integer >= 0 (0 disables)", lambda v: v >= 0),
 )
 _NUMBER_NAMES = tuple(f.name for f in _FIELDS)
-_TOKEN_NAMES = ("logit_bias", "banned_token_ids", "allowed_token_ids")
+_TOKEN_NAMES = ("logit_bias", "banned_token_ids", "allowed_token_ids", "dry_sequence_breakers",
+                "bad_words")
 _NAMES = _NUMBER_NAMES + _TOKEN_NAMES
 _PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 _MIN_WIDTH = 8  # the narrowest padded width of a token field
@@ -282,6 +311,61 @@ def _convert_bias(value) -> tuple[np.ndarray | jax.Array, np.ndarray | jax.Array
   raise ValueError(f"logit_bias must be {_BIAS_FORMS}; got {value!r}")
 
 
+_WORDS_FORMS = ("a list of token-id sequences (the same for every row), a list of B such lists "
+                "(one per row; None for none), or an int array [K, M] / [B, K, M] of sequences "
+                "padded with -1 at their end")
+
+
+def _word_list(words, row: int | None) -> list[list[int]]:
+  where = "" if row is None else f" (row {row})"
+  if not _is_sequence(words):
+    raise ValueError(f"bad_words must be {_WORDS_FORMS}; got {words!r}{where}")
+  out = []
+  for word in words:
+    if not _is_sequence(word) or len(word) == 0:
+      raise ValueError(f"bad_words must hold non-empty sequences of token ids; got "
+                       f"{word!r}{where}")
+    out.append(_id_list("bad_words", list(word), row))
+  return out
+
+
+def _convert_words(value) -> np.ndarray | jax.Array:
+  """bad_words -> int32 [K, M] or [B, K, M]: K sequences of at most M ids, each padded with -1
+  at its end (a NumPy array when built here from lists, for `_place`)."""
+  if value is None:
+    return np.full((_MIN_WIDTH, _MIN_WIDTH), -1, np.int32)
+  if isinstance(value, (jax.Array, np.ndarray)):
+    if jnp.ndim(value) not in (2, 3) or not jnp.issubdtype(jnp.result_type(value), jnp.integer):
+      raise ValueError(f"bad_words must be {_WORDS_FORMS}; got an array of shape "
+                       f"{jnp.shape(value)} and dtype {jnp.result_type(value)}")
+    if _is_concrete(value):
+      host = np.asarray(value)
+      if np.any(host < -1) or np.any(host > _INT32_MAX):
+        raise ValueError("bad_words must hold token ids in [0, 2**31) (and -1 for padding); got "
+                         f"{int(host[(host < -1) | (host > _INT32_MAX)][0])}")
+      valid = host >= 0
+      if np.any(valid[..., 1:] & ~valid[..., :-1]):
+        raise ValueError("bad_words sequences must be padded with -1 at their end only; got a "
+                         "token id after a -1")
+    return jnp.asarray(value, jnp.int32)
+  if not _is_sequence(value):
+    raise ValueError(f"bad_words must be {_WORDS_FORMS}; got {value!r}")
+  items = list(value)
+  if all(_is_sequence(w) and len(w) > 0 and all(_is_int(i) for i in w) for w in items):
+    rows, shared = [_word_list(items, None)], True
+  elif all(r is None or _is_sequence(r) for r in items):
+    rows, shared = [_word_list([] if r is None else list(r), b) for b, r in enumerate(items)], False
+  else:
+    raise ValueError(f"bad_words must be {_WORDS_FORMS}; got {value!r}")
+  count = max([len(r) for r in rows] + [1])
+  length = max([len(w) for r in rows for w in r] + [1])
+  out = np.full((len(rows), _width(count), _width(length)), -1, np.int32)
+  for b, r in enumerate(rows):
+    for k, word in enumerate(r):
+      out[b, k, :len(word)] = word
+  return out[0] if shared else out
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -309,6 +393,33 @@ class SamplingParams:
     eta_cutoff: keep the tokens with p_i >= min(eta, sqrt(eta) * exp(-H)), and the most
       probable; 0 disables.
     min_new_tokens: `decode` masks its EOS ids until a row has this many new tokens; 0 disables.
+    top_n_sigma: top-nσ (llama.cpp): keep the tokens whose logit is >= max - n·σ, σ the
+      standard deviation of the row's finite logits; <= 0 disables.
+    xtc_threshold, xtc_probability: XTC (exclude top choices, llama.cpp): with probability
+      `xtc_probability` per row and step, when at least two tokens have p >= `xtc_threshold`,
+      remove all of them but the least probable. probability 0 (the default) or threshold
+      > 0.5 disables.
+    dynatemp_range, dynatemp_exponent: dynamic temperature (llama.cpp): a row's temperature
+      becomes T_min + (T_max - T_min)·(H / log N)^exponent with T_min = max(0, T - range),
+      T_max = T + range, H the entropy and N the selectable tokens of the row at that point of
+      the chain; range 0 (the default) disables; temperature-0 rows stay greedy.
+    dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n, dry_sequence_breakers:
+      DRY ("don't repeat yourself", llama.cpp): a token that would extend a repeat of the row's
+      last tokens of length n >= dry_allowed_length (within its last dry_penalty_last_n tokens;
+      -1: all) has dry_multiplier · dry_base^(n - dry_allowed_length) subtracted from its logit,
+      the exponent capped as llama.cpp caps it. A match stops at a sequence breaker (token
+      ids, like banned_token_ids), and a breaker is never penalized. multiplier 0 (the
+      default) disables. Needs the row's history (`decode` has it).
+    mirostat, mirostat_tau, mirostat_eta: mirostat 2 (llama.cpp): with mirostat=2 a row keeps
+      the tokens of surprise -log2 p <= mu (at least its most probable), mu a state the loops
+      carry per row (initially 2·tau), updated after each token by mu -= eta·(s - tau), s the
+      token's surprise under the kept set. Only the loops carry mu (`decode`, speculative
+      decoding, `generate`, `stream`); beam search refuses it. 0 (the default) disables.
+    no_repeat_ngram_size: ban every token that would complete an n-gram the row already holds
+      (transformers); 0 disables. Needs the row's history (`decode` has it).
+    bad_words: token-id sequences, each banned where the row's last tokens equal it without its
+      last token (transformers' bad_words_ids, vLLM's bad_words): a list of sequences, or a
+      list of B such lists. A one-token sequence is always banned.
     logit_bias: `(ids, biases)`: added to the logits of those tokens (a dict `{id: bias}` or a
       list of B dicts when building). Duplicate ids in the array form add up.
     banned_token_ids: tokens that are never selected (a list of ids, or a list of B lists).
@@ -347,20 +458,49 @@ class SamplingParams:
   logit_bias: tuple  # (int32 ids, float32 biases), [K] or [B, K]
   banned_token_ids: jax.Array
   allowed_token_ids: jax.Array
+  top_n_sigma: jax.Array
+  xtc_threshold: jax.Array
+  xtc_probability: jax.Array
+  dynatemp_range: jax.Array
+  dynatemp_exponent: jax.Array
+  dry_multiplier: jax.Array
+  dry_base: jax.Array
+  dry_allowed_length: jax.Array
+  dry_penalty_last_n: jax.Array
+  mirostat: jax.Array
+  mirostat_tau: jax.Array
+  mirostat_eta: jax.Array
+  no_repeat_ngram_size: jax.Array
+  dry_sequence_breakers: jax.Array
+  bad_words: jax.Array  # int32 [K, M] or [B, K, M], each sequence padded with -1 at its end
 
   def __init__(self, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, *,
                repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, min_new_tokens=0,
-               logit_bias=None, banned_token_ids=None, allowed_token_ids=None):
+               logit_bias=None, banned_token_ids=None, allowed_token_ids=None,
+               top_n_sigma=0.0, xtc_threshold=0.1, xtc_probability=0.0,
+               dynatemp_range=0.0, dynatemp_exponent=1.0, dry_multiplier=0.0, dry_base=1.75,
+               dry_allowed_length=2, dry_penalty_last_n=-1, dry_sequence_breakers=None,
+               mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1, no_repeat_ngram_size=0,
+               bad_words=None):
     values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                   frequency_penalty=frequency_penalty, typical_p=typical_p,
                   epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff,
-                  min_new_tokens=min_new_tokens)
+                  min_new_tokens=min_new_tokens, top_n_sigma=top_n_sigma,
+                  xtc_threshold=xtc_threshold, xtc_probability=xtc_probability,
+                  dynatemp_range=dynatemp_range, dynatemp_exponent=dynatemp_exponent,
+                  dry_multiplier=dry_multiplier, dry_base=dry_base,
+                  dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
+                  mirostat=mirostat, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
+                  no_repeat_ngram_size=no_repeat_ngram_size)
     converted = {field.name: _convert(field, values[field.name]) for field in _FIELDS}
     converted["logit_bias"] = _convert_bias(logit_bias)
     converted["banned_token_ids"] = _convert_ids("banned_token_ids", banned_token_ids)
     converted["allowed_token_ids"] = _convert_ids("allowed_token_ids", allowed_token_ids)
+    converted["dry_sequence_breakers"] = _convert_ids("dry_sequence_breakers",
+                                                      dry_sequence_breakers)
+    converted["bad_words"] = _convert_words(bad_words)
     # Every check has passed: now the host arrays go to the device, all in one call.
     for name, value in _place(converted).items():
       object.__setattr__(self, name, value)
@@ -440,14 +580,19 @@ class SamplingParams:
         raise ValueError(f"SamplingParams.{name} has shape {shape} but the batch has "
                          f"{batch_size} rows; expected a scalar or shape ({batch_size},)")
     token_fields = {"logit_bias": self.logit_bias[0], "banned_token_ids": self.banned_token_ids,
-                    "allowed_token_ids": self.allowed_token_ids}
+                    "allowed_token_ids": self.allowed_token_ids,
+                    "dry_sequence_breakers": self.dry_sequence_breakers}
     for name, ids in token_fields.items():
       if ids.ndim == 2 and ids.shape[0] != batch_size:
         raise ValueError(f"SamplingParams.{name} has one row of ids for each of {ids.shape[0]} "
                          f"rows (shape {ids.shape}) but the batch has {batch_size} rows")
+    if self.bad_words.ndim == 3 and self.bad_words.shape[0] != batch_size:
+      raise ValueError(f"SamplingParams.bad_words has sequences for each of "
+                       f"{self.bad_words.shape[0]} rows (shape {self.bad_words.shape}) but the "
+                       f"batch has {batch_size} rows")
     host = self._host
     if vocab_size is not None and host is not None:
-      for name in token_fields:
+      for name in list(token_fields) + ["bad_words"]:
         ids = np.asarray(host.logit_bias[0] if name == "logit_bias" else getattr(host, name))
         if np.any(ids >= vocab_size):
           raise ValueError(f"SamplingParams.{name} has token id "
@@ -491,7 +636,18 @@ class SamplingParams:
     - repetition_penalty: NaN, <= 0 or +inf -> 1 (disabled);
     - presence_penalty, frequency_penalty and logit biases: NaN -> 0; clipped to the finite
       float32 range (a bias of -inf acts as a very large negative one);
-    - token ids outside `[0, V)` (-1 is padding) are ignored.
+    - token ids outside `[0, V)` (-1 is padding) are ignored;
+    - top_n_sigma: NaN -> 0 (disabled); clipped to the finite float32 range;
+    - xtc_threshold: NaN -> 1 (disabled), clipped to [0, 1]; xtc_probability: NaN -> 0
+      (disabled), clipped to [0, 1];
+    - dynatemp_range: NaN or < 0 -> 0 (disabled), +inf -> the largest float32;
+      dynatemp_exponent: NaN -> 1, clipped to [0, the largest float32];
+    - dry_multiplier: NaN or < 0 -> 0 (disabled), clipped to the finite float32 range;
+      dry_base: NaN or < 1 -> 1, +inf -> the largest float32; dry_allowed_length < 1 -> 1;
+      dry_penalty_last_n < -1 -> -1;
+    - mirostat other than 2 -> 0 (disabled); mirostat_tau and mirostat_eta: NaN -> their
+      defaults (5, 0.1), clipped to [0, the largest float32];
+    - no_repeat_ngram_size: < 0 -> 0 (disabled).
     """
     def disabled_if_nan(v, off, lo, hi):
       return jnp.where(jnp.isnan(v), off, jnp.clip(v, lo, hi))
@@ -513,7 +669,20 @@ class SamplingParams:
         epsilon_cutoff=disabled_if_nan(self.epsilon_cutoff, 0.0, 0.0, 1.0),
         eta_cutoff=disabled_if_nan(self.eta_cutoff, 0.0, 0.0, 1.0),
         min_new_tokens=jnp.maximum(self.min_new_tokens, 0),
-        logit_bias=(ids, finite(biases)))
+        logit_bias=(ids, finite(biases)),
+        top_n_sigma=finite(self.top_n_sigma),
+        xtc_threshold=disabled_if_nan(self.xtc_threshold, 1.0, 0.0, 1.0),
+        xtc_probability=disabled_if_nan(self.xtc_probability, 0.0, 0.0, 1.0),
+        dynatemp_range=disabled_if_nan(self.dynatemp_range, 0.0, 0.0, _F32_MAX),
+        dynatemp_exponent=disabled_if_nan(self.dynatemp_exponent, 1.0, 0.0, _F32_MAX),
+        dry_multiplier=disabled_if_nan(self.dry_multiplier, 0.0, 0.0, _F32_MAX),
+        dry_base=disabled_if_nan(self.dry_base, 1.0, 1.0, _F32_MAX),
+        dry_allowed_length=jnp.maximum(self.dry_allowed_length, 1),
+        dry_penalty_last_n=jnp.maximum(self.dry_penalty_last_n, -1),
+        mirostat=jnp.where(self.mirostat == 2, self.mirostat, 0),
+        mirostat_tau=disabled_if_nan(self.mirostat_tau, 5.0, 0.0, _F32_MAX),
+        mirostat_eta=disabled_if_nan(self.mirostat_eta, 0.1, 0.0, _F32_MAX),
+        no_repeat_ngram_size=jnp.maximum(self.no_repeat_ngram_size, 0))
 
   def rows(self, index) -> "SamplingParams":
     """The params of some rows: `index` is anything that indexes a `[B]` axis (an int array to
@@ -533,7 +702,9 @@ class SamplingParams:
     number = {n: select(getattr(self, n), 1) for n in _NUMBER_NAMES}
     return self._with(**number, logit_bias=(select(ids, 2), select(biases, 2)),
                       banned_token_ids=select(self.banned_token_ids, 2),
-                      allowed_token_ids=select(self.allowed_token_ids, 2))
+                      allowed_token_ids=select(self.allowed_token_ids, 2),
+                      dry_sequence_breakers=select(self.dry_sequence_breakers, 2),
+                      bad_words=select(self.bad_words, 3))
 
   def has_penalty(self) -> bool:
     """True if a concrete penalty is active on some row (the call then needs token counts)."""
@@ -543,18 +714,40 @@ class SamplingParams:
     """The largest concrete `min_new_tokens` (0 when none is set or the values are traced)."""
     return (self._summary if self._frozen else self._summarize())[1]
 
+  def reads_history(self) -> bool:
+    """True if a concrete rule reads the row's earlier tokens (`no_repeat_ngram_size`, DRY, or
+    a `bad_words` sequence of two tokens or more): the call then needs the row's history."""
+    return (self._summary if self._frozen else self._summarize())[2]
+
+  def uses_mirostat(self) -> bool:
+    """True if a concrete row sets mirostat (its state mu lives in the loops)."""
+    host = self._host
+    return host is not None and bool(np.any(np.asarray(host.mirostat) != 0))
+
+  def draws_xtc(self) -> bool:
+    """True if a concrete row applies XTC by chance (0 < xtc_probability < 1 and
+    xtc_threshold <= 0.5): the call then needs a key."""
+    return (self._summary if self._frozen else self._summarize())[3]
+
   @functools.cached_property
-  def _summary(self) -> tuple[bool, int]:
+  def _summary(self) -> tuple[bool, int, bool, bool]:
     """`_summarize()` kept on the object; only read when the leaves cannot change (`_frozen`)."""
     return self._summarize()
 
-  def _summarize(self) -> tuple[bool, int]:
-    """(has_penalty, largest_min_new_tokens) from the host copy of the leaves."""
+  def _summarize(self) -> tuple[bool, int, bool, bool]:
+    """(has_penalty, largest_min_new_tokens, reads_history, draws_xtc) from the host copy of
+    the leaves."""
     host = self._host
     if host is None:
-      return False, 0
+      return False, 0, False, False
+    words = np.asarray(host.bad_words)
+    xtc = np.broadcast_arrays(host.xtc_probability, host.xtc_threshold)
     return (bool(np.any(host.repetition_penalty != 1) or np.any(host.presence_penalty != 0) or
-                 np.any(host.frequency_penalty != 0)), int(np.max(host.min_new_tokens)))
+                 np.any(host.frequency_penalty != 0)), int(np.max(host.min_new_tokens)),
+            bool(np.any(host.no_repeat_ngram_size > 0) or np.any(words[..., 1] >= 0) or
+                 np.any((np.asarray(host.dry_multiplier) != 0) &
+                        (np.asarray(host.dry_penalty_last_n) != 0))),
+            bool(np.any((xtc[0] > 0) & (xtc[0] < 1) & (xtc[1] <= 0.5))))
 
 
 def _broadcast_with(xp, params: SamplingParams, batch: int) -> SamplingParams:
@@ -564,9 +757,12 @@ def _broadcast_with(xp, params: SamplingParams, batch: int) -> SamplingParams:
     return xp.broadcast_to(v, (batch, v.shape[-1]))
   number = {n: xp.broadcast_to(getattr(params, n), (batch,)) for n in _NUMBER_NAMES}
   ids, biases = params.logit_bias
+  words = params.bad_words
   return params._with(**number, logit_bias=(rows(ids), rows(biases)),  # pylint: disable=protected-access
                       banned_token_ids=rows(params.banned_token_ids),
-                      allowed_token_ids=rows(params.allowed_token_ids))
+                      allowed_token_ids=rows(params.allowed_token_ids),
+                      dry_sequence_breakers=rows(params.dry_sequence_breakers),
+                      bad_words=xp.broadcast_to(words, (batch,) + words.shape[-2:]))
 
 
 _broadcast_leaves = jax.jit(functools.partial(_broadcast_with, jnp), static_argnums=1)

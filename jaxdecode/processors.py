@@ -3,16 +3,23 @@
 `process_logits` applies them in this order (`process_f32`):
 
 1. token sets: `banned_token_ids` -> -inf; a row with `allowed_token_ids` keeps only those;
+   then the bans that read the row's history: `no_repeat_ngram_size`, `bad_words`;
 2. the +inf rule: a row with +inf logits left is uniform over them (+inf -> 0, the rest -> -inf);
 3. `logit_bias`: added to the logits of its tokens;
 4. penalties, from each row's token counts: `repetition_penalty` (HF: a seen token's logit is
    divided by it if positive, multiplied if negative), then `frequency_penalty * count` and
-   `presence_penalty * (count > 0)` are subtracted (OpenAI/vLLM);
-5. temperature; 6. top-k; 7. top-p; 8. min-p; 9. typical-p; 10. epsilon; 11. eta.
+   `presence_penalty * (count > 0)` are subtracted (OpenAI/vLLM); then DRY, from the row's
+   history (llama.cpp's place: after its penalties, before top-nσ);
+5. top-nσ (`top_n_sigma`), on the logits the penalties left, before the temperature (as in
+   llama.cpp's chain): its kept set is the same at every temperature > 0;
+6. temperature, or dynamic temperature (`dynatemp_range` > 0); 7. top-k; 8. top-p; 9. min-p;
+10. typical-p; 11. epsilon; 12. eta;
+13. XTC (`xtc_threshold`, `xtc_probability`), on the distribution every truncation left;
+14. mirostat 2 (`mirostat=2`), last, with each row's state mu (the loops carry it).
 
 Steps 1-4 change the logits that everything after them sees, greedy rows (temperature 0)
 included: a temperature-0 row takes the argmax of the biased and penalized logits. Each
-truncation (6-11) acts on the distribution left by the steps before it, renormalized.
+truncation (5, 7-13) acts on the distribution left by the steps before it, renormalized.
 
 The definitions of the truncations, stated once here (order-free, so that none of them needs a
 sort of the vocabulary; p is the row's distribution at that step, H = -sum_j p_j log p_j its
@@ -27,6 +34,57 @@ entropy in nats):
   token is always kept; it need not be the most probable).
 - epsilon keeps token i iff p_i >= epsilon_cutoff or p_i = max_j p_j.
 - eta keeps token i iff p_i >= min(eta, sqrt(eta) * exp(-H)) or p_i = max_j p_j.
+- top-nσ (Tang et al. 2024, "Top-nσ: Not All Logits Are You Need"; llama.cpp's
+  `llama_sampler_top_n_sigma`) keeps token i iff x_i >= max_j x_j - n·σ, σ the population
+  standard deviation of the row's finite logits (the -inf ones left out); n <= 0 keeps all, as
+  in llama.cpp. The statistics are taken on the row scaled by a power of two, so that rows near
+  the float32 range do not overflow.
+- XTC ("exclude top choices", llama.cpp's `llama_sampler_xtc`, from text-generation-webui): with
+  probability `xtc_probability` for that row and step, if at least two tokens have
+  p_i >= `xtc_threshold`, every one of them whose p is larger than the least p among them is
+  removed. Where several tie at that least probability, all of them stay: llama.cpp keeps the
+  one its sort puts last, which an order-free rule cannot name. A threshold > 0.5 is a no-op
+  (two tokens cannot both exceed it), as is probability 0. The coin is a uniform u of the
+  row's token key (`fold_in(row_key, t)` in the loops) folded with `XTC_SALT`, and XTC acts
+  iff u < probability: the token's own draw, from the key itself, is not disturbed. Without a
+  key (`process_logits` without `key=`, beam search) only rows with probability 1 act.
+- DRY ("don't repeat yourself", p-e-w's sampler in text-generation-webui; llama.cpp's
+  `llama_sampler_dry_apply`, after koboldcpp): the row's window is its last W tokens (W =
+  min(its tokens, `dry_penalty_last_n`), -1 for all; 0 disables); rep_limit is the number of
+  tokens after the latest `dry_sequence_breakers` id in the window (W without one). For each
+  position j of the window, n_j is the length of the longest run of tokens ending just before
+  j that equals the window's last tokens (within the window), capped at rep_limit; a token v
+  that is not a breaker gets n = max of n_j over the positions j holding v, and where n >=
+  `dry_allowed_length` its logit loses `dry_multiplier` · `dry_base`^e, e = n -
+  dry_allowed_length capped at int(88.7228391 / log(dry_base)) when dry_base > 1.000001, as in
+  llama.cpp (the penalty is also clipped to the largest float32). Nothing changes where W <=
+  dry_allowed_length or rep_limit < dry_allowed_length. Breakers here are single token ids
+  (llama.cpp also takes multi-token strings).
+- dynamic temperature (llama.cpp's `llama_sampler_temp_ext`, from "entropy-based dynamic
+  temperature", Zhu et al. 2024 / kalomaze): a row with temperature T > 0 and
+  `dynatemp_range` r > 0 is divided by T_min + (T_max - T_min)·(H / log N)^`dynatemp_exponent`
+  instead of T, with T_min = max(0, T - r), T_max = T + r, H the entropy of its distribution at
+  that point (after the penalties and top-nσ) and N its number of selectable tokens; a
+  row with one selectable token is left as it is; T = 0 rows stay greedy; a dynamic
+  temperature of 0 makes the row greedy.
+- mirostat 2 (Basu et al. 2021, "Mirostat: A Neural Text Decoding Algorithm that Directly
+  Controls Perplexity"; llama.cpp's `llama_sampler_mirostat_v2`): a row with `mirostat=2` and
+  state mu keeps token i iff its surprise -log2 p_i <= mu, p the row's distribution at that
+  point (the last step of the chain); when no token has, its most probable token(s) stay. After
+  the token is drawn, mu <- mu - `mirostat_eta` · (s - `mirostat_tau`), s = -log2 of the
+  token's probability under the renormalized kept set (llama.cpp's reading); mu starts at
+  2·tau. The loops carry mu per row and update it when they record a token (so speculative
+  decoding, which records only accepted tokens, carries decode's mu); `process_logits` and
+  `sample` use the initial 2·tau. Mirostat 1 is not provided: its estimate of the Zipf exponent
+  reads the 100 most probable tokens in order (a partial sort whose tie order llama.cpp leaves
+  to std::sort) and its k then feeds a top-k, so an order-free exact statement was not done.
+- `no_repeat_ngram_size` = n (transformers' NoRepeatNGramLogitsProcessor) bans token v iff
+  the row's last n - 1 tokens followed by v form an n-gram that already occurs in the row's
+  tokens (n = 1: every token the row holds). The row's tokens are its history: the prompt
+  (when the loop is given `prompt_tokens`; padding never counts) and the new tokens.
+- `bad_words` (transformers' bad_words_ids, vLLM's bad_words) bans the last token of each
+  sequence whose other tokens are the row's last tokens; a one-token sequence is always
+  banned, like `banned_token_ids`.
 
 How the top-k, top-p and typical-p sets are found exactly without a sort is
 `jaxdecode.threshold`'s subject. On CPU and TPU a step that no row uses is skipped (a
@@ -99,6 +157,24 @@ def check_call(logits, params, counts, *, caller: str, loop: bool = False, eos_i
                      f"tokens each row has seen: pass counts=[B, V] to {caller} (see "
                      f"jaxdecode.token_counts), or use jaxdecode.decode, which carries them")
   return broadcast, counts
+
+
+def check_history(history, params: SamplingParams, batch: int, caller: str):
+  """int32[B, H] history, or None; ValueError if a rule reads the history and none is given."""
+  if history is None:
+    if params.reads_history():
+      raise ValueError(f"no_repeat_ngram_size, DRY and bad_words of two tokens or more act "
+                       f"on the tokens each row has seen: pass history=[B, H] to {caller} (each "
+                       f"row's tokens, oldest first, padded with -1 at the start), or use "
+                       f"jaxdecode.decode, which carries them")
+    return None
+  history = _checks.array("history", history, "an integer array [B, H]")
+  if jnp.ndim(history) != 2 or jnp.shape(history)[0] != batch or \
+      not jnp.issubdtype(jnp.result_type(history), jnp.integer):
+    raise ValueError(f"history must be an integer array [B, H] with B = {batch} (each row's "
+                     f"tokens, oldest first, padded with -1 at the start); got shape "
+                     f"{jnp.shape(history)} and dtype {jnp.result_type(history)}")
+  return jnp.asarray(history, jnp.int32)
 
 
 def token_counts(tokens, vocab_size: int, mask=None) -> jax.Array:
@@ -338,8 +414,273 @@ def apply_eta_cutoff(x: jax.Array, eta: jax.Array) -> jax.Array:
   return _cut_below(x, eta > 0, cutoff)
 
 
+def apply_top_n_sigma(x: jax.Array, n: jax.Array) -> jax.Array:
+  """top-nσ: keeps x_i >= max - n·σ, σ the population standard deviation of the row's finite
+  logits; n <= 0 keeps all.
+
+  The statistics run on the row scaled by a power of two, 2^-e with max |x| = m·2^e (m in
+  [0.5, 1); no scaling when max |x| < 1), so that rows near the float32 range do not overflow;
+  a power of two changes no comparison. Sums are `_reduce.row_sum`s (batch-invariant).
+  """
+  active = n > 0  # [B]
+
+  def cut(x):
+    finite = x > _NEG_INF  # NaN and +inf are gone by now
+    count = _reduce.row_sum(finite.astype(jnp.float32), keepdims=True)  # [B, 1]
+    largest = jnp.max(jnp.where(finite, jnp.abs(x), 0.0), axis=-1, keepdims=True)
+    _, e = jnp.frexp(largest)
+    e = jnp.maximum(e, 0)
+    # Two factors >= 2^-64, each a normal float32: x * 2^-e exactly, without a subnormal scale.
+    half = e // 2
+    scale_a = lax.bitcast_convert_type((127 - half) << 23, jnp.float32)  # 2^-half
+    scale_b = lax.bitcast_convert_type((127 - (e - half)) << 23, jnp.float32)
+    y = jnp.where(finite, (x * scale_a) * scale_b, 0.0)
+    safe_count = jnp.maximum(count, 1.0)
+    mean = _reduce.row_sum(y, keepdims=True) / safe_count
+    var = _reduce.row_sum(jnp.where(finite, jnp.square(y - mean), 0.0), keepdims=True) / safe_count
+    top = jnp.max(jnp.where(finite, y, _NEG_INF), axis=-1, keepdims=True)
+    cutoff = top - n[:, None] * jnp.sqrt(var)
+    return jnp.where(active[:, None] & finite & (y < cutoff), _NEG_INF, x)
+
+  return _platform.skip_unless(jnp.any(active), cut, x)
+
+
+def dynamic_temperature(x: jax.Array, t: jax.Array, spread: jax.Array,
+                        exponent: jax.Array) -> jax.Array:
+  """float32[B]: each row's temperature; where `spread` (dynatemp_range) > 0 and t > 0,
+  T_min + (T_max - T_min)·(H / log N)^exponent (T_min = max(0, t - spread), T_max = t +
+  spread, capped at the largest float32), H the entropy of softmax(x) and N its selectable
+  tokens; H / log N is clipped to [0, 1] (float32 rounding can pass 1). A row with at most one
+  selectable token gets 1: it is left as it is."""
+  active = (spread > 0) & (t > 0)  # [B]
+
+  def work():
+    # H = log z - sum_i e_i (x_i - m) / z with e_i = exp(x_i - m), z = sum_i e_i: both sums in
+    # the pass that computes e (two non-negative terms, no cancellation).
+    e, m = threshold.unnormalized_probs(x)
+    z = _reduce.row_sum(e)  # [B]
+    weighted = _reduce.row_sum(jnp.where(e > 0, e * (x - m), 0.0))  # [B], <= 0
+    safe_z = jnp.where(z > 0, z, 1.0)
+    entropy = jnp.log(safe_z) - weighted / safe_z
+    count = jnp.sum(x > _NEG_INF, axis=-1, dtype=jnp.int32)  # integers: exact
+    log_n = jnp.log(jnp.maximum(count, 2).astype(jnp.float32))
+    normalized = jnp.clip(entropy / log_n, 0.0, 1.0)
+    low = jnp.maximum(t - spread, 0.0)
+    high = jnp.minimum(t + spread, _F32_MAX)
+    dynamic = low + (high - low) * jnp.power(normalized, exponent)
+    return jnp.where(active, jnp.where(count > 1, dynamic, 1.0), t)
+
+  return _platform.when(jnp.any(active), work, lambda: t)
+
+
+XTC_SALT = 0x58544321  # XTC's draw: fold_in(the row's token key, XTC_SALT)
+
+
+def xtc_uniforms(keys: jax.Array) -> jax.Array:
+  """float32[B]: XTC's uniform of each row, from its token key folded with `XTC_SALT` (the
+  token's own draw, from the key itself, is not disturbed)."""
+  return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, XTC_SALT), (),
+                                               jnp.float32))(keys)
+
+
+def apply_xtc(x: jax.Array, cut_at: jax.Array, probability: jax.Array,
+              keys: jax.Array | None) -> jax.Array:
+  """XTC: where the row's uniform u < probability, if two or more tokens have p >= cut_at,
+  removes those of them more probable than the least probable of them (ties at that least
+  probability all stay). u is `xtc_uniforms(keys)`, drawn only when some row could act; keys
+  None: only rows with probability >= 1 act."""
+  enabled = (probability > 0) & (cut_at <= 0.5)  # [B]
+
+  def cut(x):
+    coin = probability >= 1 if keys is None else xtc_uniforms(keys) < probability
+    active = enabled & coin
+    # p_i >= threshold as e_i >= threshold · z (e_i = exp(x_i - max), z their sum): no division
+    # pass; the least probable of them is the least e (p's order, ties included).
+    e, _ = threshold.unnormalized_probs(x)
+    z = _reduce.row_sum(e, keepdims=True)
+    above = (e >= cut_at[:, None] * z) & (x > _NEG_INF)
+    least = jnp.min(jnp.where(above, e, jnp.inf), axis=-1, keepdims=True)
+    # A token above the cut and above the least of them means two or more are above it.
+    remove = active[:, None] & above & (e > least)
+    return jnp.where(remove, _NEG_INF, x)
+
+  return _platform.skip_unless(jnp.any(enabled), cut, x)
+
+
+LN2 = 0.6931471805599453
+
+
+def apply_mirostat(x: jax.Array, mirostat: jax.Array, mu: jax.Array) -> jax.Array:
+  """mirostat 2's cut: rows with mirostat == 2 keep the tokens of surprise -log2 p <= mu and
+  their most probable token(s) (which are kept whenever anything is)."""
+  active = mirostat == 2  # [B]
+
+  def cut(x):
+    _, log_p, _ = distribution(x)
+    keep = (-log_p / LN2 <= mu[:, None]) | (x == jnp.max(x, axis=-1, keepdims=True))
+    return jnp.where(keep | ~active[:, None], x, _NEG_INF)
+
+  return _platform.skip_unless(jnp.any(active), cut, x)
+
+
+def mirostat_update(mu: jax.Array, logprob: jax.Array, params: SamplingParams) -> jax.Array:
+  """mu - eta·(s - tau) for rows with mirostat == 2 (others unchanged); s = -logprob / ln 2,
+  the drawn token's surprise in bits under the kept set."""
+  s = -logprob / LN2
+  return jnp.where(params.mirostat == 2, mu - params.mirostat_eta * (s - params.mirostat_tau),
+                   mu)
+
+
+def ngram_bans(history: jax.Array, size: jax.Array) -> jax.Array:
+  """bool[B, H]: True at the history entries that `no_repeat_ngram_size` bans: history[j] where
+  the n - 1 tokens before it equal the row's last n - 1 tokens (n = size[b]; n = 1 bans every
+  token of the history; n <= 0 nothing). history: int32[B, H], padded with negative ids at the
+  start. The run lengths are `suffix_runs` (DRY's): no bound on n.
+  """
+  run = suffix_runs(history, jnp.zeros(history.shape[:1], jnp.int32))
+  n = size[:, None]
+  return (history >= 0) & (n >= 1) & (run >= n - 1)
+
+
+def bad_word_bans(history: jax.Array, words: jax.Array) -> jax.Array:
+  """int32[B, K]: the last id of each bad word whose other ids end the history; -1 otherwise.
+
+  words: int32[B, K, M], each sequence padded with -1 at its end (an empty one bans nothing);
+  history: int32[B, H] as in `ngram_bans` (H may be 0: then only one-token words are banned).
+  """
+  width = history.shape[1]
+  length = jnp.sum(words >= 0, axis=-1, dtype=jnp.int32)  # [B, K]
+  ok = length >= 1
+  for q in range(words.shape[-1] - 1):  # the q-th id of the prefix against the history
+    needed = q < length - 1
+    at = width - (length - 1) + q  # [B, K]: where it must stand in the history
+    if width:
+      seen = jnp.take_along_axis(history, jnp.clip(at, 0, width - 1), axis=1)
+      match = (at >= 0) & (seen == words[:, :, q])
+    else:
+      match = jnp.zeros(at.shape, bool)
+    ok = ok & (~needed | match)
+  last = jnp.take_along_axis(words, jnp.maximum(length - 1, 0)[:, :, None], axis=2)[:, :, 0]
+  return jnp.where(ok, last, -1)
+
+
+def suffix_runs(history: jax.Array, start: jax.Array) -> jax.Array:
+  """int32[B, H]: run[j], how many consecutive i = 1, 2, ... have history[j - i] ==
+  history[H - i] with j - i >= start[b] (the length of the repeat of the row's last tokens that
+  ends just before position j; history padded with negative ids at the start).
+
+  One shift per round, O(B·H) each. On CPU and TPU a while loop stops at the first round that
+  extends no row's run (text repeats are short: a few rounds); on a GPU a loop of H rounds (a
+  constant trip count, `jaxdecode._platform`). Both give the same array.
+  """
+  batch, width = history.shape
+  if width == 0:
+    return jnp.zeros(history.shape, jnp.int32)
+  padded = jnp.concatenate([jnp.full(history.shape, -1, history.dtype), history], axis=1)
+  column = lax.broadcasted_iota(jnp.int32, history.shape, 1)
+
+  def body(i, alive, run):
+    before = lax.dynamic_slice_in_dim(padded, width - i, width, axis=1)  # history[j - i]
+    last = lax.dynamic_slice_in_dim(history, width - i, 1, axis=1)  # history[H - i], [B, 1]
+    alive = alive & (before == last) & (last >= 0) & (column - i >= start[:, None])
+    return alive, run + alive.astype(jnp.int32)
+
+  init = (jnp.int32(1), jnp.ones(history.shape, bool), jnp.zeros(history.shape, jnp.int32))
+  if _platform.mode() == _platform.STRAIGHT:
+    # Python bounds: a constant trip count (int64 under x64, so the index is cast).
+    _, run = lax.fori_loop(1, width + 1, lambda i, c: body(i.astype(jnp.int32), *c), init[1:])
+    return run
+
+  def cond(c):
+    i, alive, _ = c
+    return (i <= width) & jnp.any(alive)
+
+  _, _, run = lax.while_loop(cond, lambda c: (c[0] + 1, *body(c[0], c[1], c[2])), init)
+  return run
+
+
+DRY_FLOAT_MAX_LOG = 88.7228391  # llama.cpp's bound of the exponent: log(FLT_MAX)
+
+
+def apply_dry(x: jax.Array, history: jax.Array | None, multiplier: jax.Array, base: jax.Array,
+              allowed: jax.Array, last_n: jax.Array, breakers: jax.Array) -> jax.Array:
+  """DRY, llama.cpp's `llama_sampler_dry_apply` without its host loops (single-token breakers).
+
+  Per row: the window is its last W = min(tokens, last_n) tokens (last_n -1: all; 0: off);
+  rep_limit the number of tokens after its latest breaker in the window (W if none). Each
+  position j of the window gets the length of the repeat of the window's last tokens that ends
+  just before it (`suffix_runs`, bounded by the window), capped at rep_limit; token
+  history[j] gets the largest such length n over its positions, and, where n >= allowed and it
+  is not a breaker, its logit loses multiplier · base^e, e = n - allowed capped at
+  int(88.7228391 / log(base)) when base > 1.000001 (the penalty clipped to the largest
+  float32). Nothing happens where multiplier is 0, W <= allowed or rep_limit < allowed.
+  """
+  batch, vocab = x.shape
+  if history is None or history.shape[1] == 0:
+    return x
+  width = history.shape[1]
+  breakers = valid_ids(breakers, vocab)  # [B, K]
+  tokens = jnp.sum(history >= 0, axis=-1, dtype=jnp.int32)  # [B]
+  window = jnp.where(last_n < 0, tokens, jnp.minimum(last_n, tokens))  # [B]
+  active = (multiplier != 0) & (base >= 1) & (last_n != 0) & (window > allowed)
+
+  def penalize(x):
+    column = lax.broadcasted_iota(jnp.int32, history.shape, 1)
+    start = width - window  # [B]: the window's first column
+    is_breaker = jnp.any((history[:, :, None] == breakers[:, None, :]) &
+                         (breakers[:, None, :] < vocab), axis=-1)  # [B, H]
+    after = jnp.where(is_breaker & (column >= start[:, None]), width - 1 - column, width)
+    rep_limit = jnp.minimum(jnp.min(after, axis=-1), window)  # [B]
+    run = jnp.minimum(suffix_runs(history, start), rep_limit[:, None])  # [B, H]
+    counted = run >= allowed[:, None]
+    rows = lax.broadcasted_iota(jnp.int32, history.shape, 0)
+    ids = valid_ids(jnp.where(counted, history, -1), vocab)  # [B, H]: V where not counted
+    # Each counted position's token gets the longest of its runs (an integer scatter-max: its
+    # order cannot matter); the penalty is then computed per position, not over [B, V].
+    longest = jnp.zeros((batch, vocab), jnp.int32).at[rows, ids].max(run, mode="drop")
+    n = jnp.take_along_axis(longest, jnp.minimum(ids, vocab - 1), axis=1)  # [B, H]
+    not_breaker = ~jnp.any(ids[:, :, None] == breakers[:, None, :], axis=-1)
+    hit = (active & (rep_limit >= allowed))[:, None] & counted & (ids < vocab) & not_breaker
+    cap = jnp.where(base > 1.000001,
+                    (jnp.float32(DRY_FLOAT_MAX_LOG) / jnp.log(base)).astype(jnp.int32), 0)
+    exponent = n - allowed[:, None]
+    exponent = jnp.where((cap[:, None] > 0) & (exponent > cap[:, None]), cap[:, None], exponent)
+    penalty = jnp.minimum(multiplier[:, None] * jnp.power(base[:, None],
+                                                          exponent.astype(jnp.float32)),
+                          _F32_MAX)
+    before = jnp.take_along_axis(x, jnp.minimum(ids, vocab - 1), axis=1)
+    # Positions of one token all write the same value, so the order of the writes is moot.
+    return x.at[rows, jnp.where(hit, ids, vocab)].set(_saturate(before, before - penalty),
+                                                      mode="drop")
+
+  return _platform.skip_unless(jnp.any(active), penalize, x)
+
+
+def apply_history_bans(x: jax.Array, history: jax.Array | None, ngram: jax.Array,
+                       words: jax.Array) -> jax.Array:
+  """`no_repeat_ngram_size` and `bad_words`: the tokens they ban become -inf."""
+  vocab = x.shape[-1]
+  batch = x.shape[0]
+  if history is None:
+    history = jnp.zeros((batch, 0), jnp.int32)
+  rows = lax.broadcasted_iota(jnp.int32, (batch, 1), 0)
+
+  def ban_ngrams(x):
+    ids = jnp.where(ngram_bans(history, ngram), history, vocab)
+    return x.at[rows, valid_ids(ids, vocab)].set(_NEG_INF, mode="drop")
+
+  def ban_words(x):
+    ids = bad_word_bans(history, words)
+    return x.at[rows, valid_ids(ids, vocab)].set(_NEG_INF, mode="drop")
+
+  if history.shape[1]:
+    x = _platform.skip_unless(jnp.any(ngram > 0), ban_ngrams, x)
+  return _platform.skip_unless(jnp.any(words >= 0), ban_words, x)
+
+
 def process_f32(logits: jax.Array, params: SamplingParams,
-                counts: jax.Array | None = None) -> jax.Array:
+                counts: jax.Array | None = None, keys: jax.Array | None = None,
+                history: jax.Array | None = None, mu: jax.Array | None = None) -> jax.Array:
   """The whole chain, in this module's order, on logits of any float dtype; float32 out.
 
   Args:
@@ -347,24 +688,39 @@ def process_f32(logits: jax.Array, params: SamplingParams,
     params: `SamplingParams` after `broadcast(B)` and `sanitized()`.
     counts: int32[B, V] token counts for the penalties, or None (no token seen yet: the
       penalties change nothing).
+    keys: typed keys [B], the keys the rows' tokens are drawn with; XTC draws its uniform from
+      `fold_in(keys[b], XTC_SALT)`. None: XTC acts on the rows whose probability is >= 1 only.
+    history: int32[B, H], each row's tokens so far, oldest first, its newest at H - 1, padded
+      with negative ids at the start (`no_repeat_ngram_size`, `bad_words`), or None (no token
+      yet: the rules that read it ban only one-token bad words).
+    mu: float32[B], each row's mirostat state (the loops carry it), or None: its initial
+      value 2·mirostat_tau.
   """
-  return _platform.by_platform(_process_f32, logits, params, counts)
+  return _platform.by_platform(_process_f32, logits, params, counts, keys, history, mu)
 
 
-def _process_f32(logits, params, counts):
+def _process_f32(logits, params, counts, keys, history, mu):
   x = remove_nan(logits)
   x = apply_token_sets(x, params.banned_token_ids, params.allowed_token_ids)
+  x = apply_history_bans(x, history, params.no_repeat_ngram_size, params.bad_words)
   x = apply_pos_inf_rule(x)
   x = apply_logit_bias(x, *params.logit_bias)
   if counts is not None:
     x = apply_penalties(x, counts, params.repetition_penalty, params.presence_penalty,
                         params.frequency_penalty)
-  x = apply_temperature(x, params.temperature)
+  x = apply_dry(x, history, params.dry_multiplier, params.dry_base, params.dry_allowed_length,
+                params.dry_penalty_last_n, params.dry_sequence_breakers)
+  x = apply_top_n_sigma(x, params.top_n_sigma)
+  t = dynamic_temperature(x, params.temperature, params.dynatemp_range,
+                          params.dynatemp_exponent)
+  x = apply_temperature(x, t)
   x = apply_top_k_top_p(x, params.top_k, params.top_p)
   x = apply_min_p(x, params.min_p)
   x = apply_typical_p(x, params.typical_p)
   x = apply_epsilon_cutoff(x, params.epsilon_cutoff)
-  return apply_eta_cutoff(x, params.eta_cutoff)
+  x = apply_eta_cutoff(x, params.eta_cutoff)
+  x = apply_xtc(x, params.xtc_threshold, params.xtc_probability, keys)
+  return apply_mirostat(x, params.mirostat, 2.0 * params.mirostat_tau if mu is None else mu)
 
 
 def cast_saturating(x: jax.Array, dtype) -> jax.Array:
@@ -387,11 +743,24 @@ def cast_saturating(x: jax.Array, dtype) -> jax.Array:
 
 
 @jax.jit
-def _process_logits(logits, params, counts):
-  return cast_saturating(process_f32(logits, params.sanitized(), counts), logits.dtype)
+def _process_logits(logits, params, counts, key, history):
+  keys = None if key is None else row_keys(key, logits.shape[0])
+  return cast_saturating(process_f32(logits, params.sanitized(), counts, keys, history),
+                         logits.dtype)
 
 
-def process_logits(logits: jax.Array, params: SamplingParams, *, counts=None) -> jax.Array:
+def row_keys(key, batch_size: int) -> jax.Array:
+  """Typed keys `[batch_size]`, one per row, following the key policy (`jaxdecode.sampling`)."""
+  if not jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
+    key = jax.random.wrap_key_data(key)
+  if key.shape == ():
+    return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(batch_size,
+                                                                      dtype=jnp.uint32))
+  return key
+
+
+def process_logits(logits: jax.Array, params: SamplingParams, *, counts=None, key=None,
+                   history=None) -> jax.Array:
   """Applies the whole chain of `params` to `[B, V]` logits (order: this module's docstring).
 
   Args:
@@ -400,6 +769,11 @@ def process_logits(logits: jax.Array, params: SamplingParams, *, counts=None) ->
       here (it needs `decode`'s EOS ids and step).
     counts: `int[B, V]`, how often each row has seen each token (`jaxdecode.token_counts`);
       needed when a penalty is set.
+    key: one key or one per row (the key policy of `jaxdecode.sample`): XTC's draw comes from
+      each row's key folded with `XTC_SALT`. Needed when a row has 0 < xtc_probability < 1;
+      without it only rows with xtc_probability 1 apply XTC.
+    history: `int[B, H]`, each row's tokens so far, oldest first, padded with -1 at the start;
+      needed by `no_repeat_ngram_size`, DRY and `bad_words` of two tokens or more.
 
   Returns:
     `[B, V]` logits of the input dtype: the processed distribution is their softmax; removed
@@ -418,7 +792,14 @@ def process_logits(logits: jax.Array, params: SamplingParams, *, counts=None) ->
   """
   params, counts = check_call(logits, params, counts, caller="process_logits")
   no_min_new_tokens(params, "process_logits")
-  return _process_logits(jnp.asarray(logits), params, counts)
+  batch = jnp.shape(logits)[0]
+  history = check_history(history, params, batch, "process_logits")
+  if key is None and params.draws_xtc():
+    raise ValueError("xtc_probability between 0 and 1 draws whether XTC acts on a row: pass "
+                     "key= to process_logits (one key, or one per row)")
+  if key is not None:
+    _checks.key(key, batch)
+  return _process_logits(jnp.asarray(logits), params, counts, key, history)
 
 
 def no_min_new_tokens(params: SamplingParams, caller: str) -> None:

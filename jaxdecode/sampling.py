@@ -27,13 +27,7 @@ from jaxdecode import processors
 from jaxdecode import threshold
 from jaxdecode.params import SamplingParams
 
-def row_keys(key, batch_size: int) -> jax.Array:
-  """Typed keys `[batch_size]`, one per row, following the key policy."""
-  if not jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
-    key = jax.random.wrap_key_data(key)
-  if key.shape == ():
-    return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(batch_size, dtype=jnp.uint32))
-  return key
+row_keys = processors.row_keys  # typed keys [B], one per row, following the key policy
 
 
 def _first_true(mask: jax.Array) -> jax.Array:
@@ -111,18 +105,20 @@ def draw(keys: jax.Array, processed: jax.Array):
 
 
 def sample_rows(keys: jax.Array, logits: jax.Array, params: SamplingParams,
-                counts: jax.Array | None = None):
+                counts: jax.Array | None = None, history: jax.Array | None = None):
   """The traced core of sampling: typed keys [B], logits [B, V], sanitized broadcast params.
 
-  `counts` (int32[B, V] or None) feeds the penalties. Returns (int32[B] tokens, float32[B]
-  logprobs).
+  `counts` (int32[B, V] or None) feeds the penalties, `history` (int32[B, H] or None) the
+  n-gram and bad-word bans; XTC's draw comes from `fold_in(keys[b], XTC_SALT)`. Returns
+  (int32[B] tokens, float32[B] logprobs).
   """
-  return draw(keys, processors.process_f32(logits, params, counts))
+  return draw(keys, processors.process_f32(logits, params, counts, keys, history))
 
 
 @jax.jit
-def _sample(key, logits, params, counts):
-  return sample_rows(row_keys(key, logits.shape[0]), logits, params.sanitized(), counts)
+def _sample(key, logits, params, counts, history=None):
+  return sample_rows(row_keys(key, logits.shape[0]), logits, params.sanitized(), counts,
+                     history)
 
 
 _DEFAULT_PARAMS: list[SamplingParams] = []  # SamplingParams(), built once outside any trace
@@ -146,7 +142,7 @@ def _as_array(x):
 
 
 def sample_with_logprobs(key, logits: jax.Array, params: SamplingParams | None = None, *,
-                         counts=None):
+                         counts=None, history=None):
   """Samples one token per row and returns it with its log-probability.
 
   Args:
@@ -156,6 +152,8 @@ def sample_with_logprobs(key, logits: jax.Array, params: SamplingParams | None =
       must be 0 here: it needs `decode`'s EOS ids and step.
     counts: `int[B, V]`, how often each row has seen each token (`jaxdecode.token_counts`);
       needed when a penalty is set.
+    history: `int[B, H]`, each row's tokens so far, oldest first, padded with -1 at the start;
+      needed by `no_repeat_ngram_size`, DRY and `bad_words` of two tokens or more.
 
   Returns:
     `(tokens, logprobs)`: `int32[B]` and `float32[B]`, the log-probability of each chosen token
@@ -175,11 +173,12 @@ def sample_with_logprobs(key, logits: jax.Array, params: SamplingParams | None =
   params, counts = processors.check_call(logits, params, counts, caller="sample")
   processors.no_min_new_tokens(params, "sample")
   _checks.key(key, params.temperature.shape[0])
-  return _sample(key, _as_array(logits), params, counts)
+  history = processors.check_history(history, params, params.temperature.shape[0], "sample")
+  return _sample(key, _as_array(logits), params, counts, history)
 
 
 def sample(key, logits: jax.Array, params: SamplingParams | None = None, *,
-           counts=None) -> jax.Array:
+           counts=None, history=None) -> jax.Array:
   """Samples one token per row from the processed distribution; see `sample_with_logprobs`.
 
   Rows with `temperature == 0` return exactly the argmax of the logits after the token sets,
@@ -207,7 +206,7 @@ def sample(key, logits: jax.Array, params: SamplingParams | None = None, *,
     >>> jaxdecode.sample(jax.random.key(0), logits, jaxdecode.SamplingParams(temperature=0.0))
     Array([1], dtype=int32)
   """
-  return sample_with_logprobs(key, logits, params, counts=counts)[0]
+  return sample_with_logprobs(key, logits, params, counts=counts, history=history)[0]
 
 
 @jax.jit

@@ -43,7 +43,8 @@ from jaxdecode import _platform
 from jaxdecode import loop
 from jaxdecode import processors
 from jaxdecode import structured
-from jaxdecode.decoding import DecodeOutput, check_fits, check_step_output, make_spec
+from jaxdecode.decoding import (DecodeOutput, check_fits, check_prompt_tokens, check_step_output,
+                                make_spec)
 from jaxdecode.params import SamplingParams
 
 
@@ -184,12 +185,12 @@ class ModelDrafter:
 
 
 def _speculative(step_fn, state, logits, key, params, positions, eos_ids, pad_id, counts,
-                 logits_processors, drafter, constraint, *, max_new_tokens: int,
-                 num_draft_tokens: int, chunk_size: int):
+                 logits_processors, drafter, constraint, prompt_tokens=None, *,
+                 max_new_tokens: int, num_draft_tokens: int, chunk_size: int):
   batch, vocab = logits.shape
   k = num_draft_tokens
   spec = make_spec(key, params, positions, eos_ids, pad_id, logits_processors, batch=batch,
-                   vocab=vocab, constraint=constraint)
+                   vocab=vocab, constraint=constraint, prompt_tokens=prompt_tokens)
   check_step_output(jax.eval_shape(step_fn, state, jnp.zeros((batch, k + 1), jnp.int32),
                                    positions), state, (batch, k + 1, vocab))
   loop.check_processors(spec, batch, vocab, max_new_tokens)
@@ -261,7 +262,7 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
                        drafter, num_draft_tokens: int = 4, eos_ids: Sequence[int] = (),
                        pad_id: int = 0, counts=None, chunk_size: int = 4,
                        logits_processors: Sequence[Callable] | None = None,
-                       constraint=None) -> SpeculativeOutput:
+                       constraint=None, prompt_tokens=None) -> SpeculativeOutput:
   """`decode`, with K drafted tokens verified per model call: the same tokens, fewer calls.
 
   Args:
@@ -270,9 +271,9 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
       positions `positions[b] + j`; it must give bitwise the logits of K + 1 single steps (the
       embedded transformer's step does) for the output to equal `decode`'s. Static.
     state, logits, key, params, max_new_tokens, positions, eos_ids, pad_id, counts,
-    logits_processors, constraint: as in `decode` (drafts are verified under the constraint:
-      a draft token the automaton does not allow is never accepted, so the output is the
-      constrained `decode`'s).
+    logits_processors, constraint, prompt_tokens: as in `decode` (drafts are verified under
+      the constraint: a draft token the automaton does not allow is never accepted, so the
+      output is the constrained `decode`'s).
     drafter: a pytree with `propose(context: DraftContext, num_draft_tokens) -> (drafts
       int32[B, K], drafter)`, e.g. `NgramDrafter` or `ModelDrafter`.
     num_draft_tokens: K (static), drafts per round.
@@ -302,7 +303,9 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
   constraint = structured.check(constraint, batch, vocab, "speculative_decode", params,
                                 eos_ids=eos_ids)
   check_fits(step_fn, state, positions, max_new_tokens, "speculative_decode")
+  prompt_tokens = check_prompt_tokens(prompt_tokens, batch, "speculative_decode")
   return _speculative_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad,
                           counts, loop.as_processors(logits_processors), drafter, constraint,
+                          prompt_tokens,
                           max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
                           chunk_size=chunk_size)

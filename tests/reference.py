@@ -5,6 +5,8 @@ float64 can disagree on a token (its quantity is within `TOL` of the cut), the t
 as ambiguous, and tests compare only the others.
 """
 
+import math
+
 import numpy as np
 
 TOL = 1e-5
@@ -299,3 +301,129 @@ def every_sequence(next_logprobs, *, max_new_tokens, eos_ids=(), length_penalty=
       else:
         prefixes.append((toks, total))
   return sorted(done, key=lambda h: (-h[0], len(h[1]), h[1])), widest, dead_end
+
+
+# ---------------------------------------------------------------------------------------------
+# The samplers of llama.cpp / transformers beyond the truncations above, from their published
+# definitions, in plain Python over float64 (one row; inputs already free of NaN and +inf).
+
+
+def top_n_sigma_keep(x, n):
+  """(keep, ambiguous): llama.cpp's top-nσ. n <= 0 keeps all; otherwise keep i iff
+  x_i >= max - n·σ, σ the population standard deviation of the finite logits."""
+  x = [float(v) for v in x]
+  finite = [v for v in x if v != -math.inf]
+  if n <= 0 or not finite:
+    return np.ones(len(x), bool), np.zeros(len(x), bool)
+  # Scaled by the largest magnitude, so that 1e38 rows do not overflow in float64 either.
+  scale = max(abs(v) for v in finite) or 1.0
+  ys = [v / scale for v in finite]
+  mean = sum(ys) / len(ys)
+  sigma = math.sqrt(sum((y - mean) ** 2 for y in ys) / len(ys))
+  cut = max(ys) - n * sigma
+  keep = np.array([v != -math.inf and v / scale >= cut for v in x])
+  ambiguous = np.array([v != -math.inf and abs(v / scale - cut) <= 1e-5 * (1 + abs(cut))
+                        for v in x])
+  return keep, ambiguous
+
+
+def xtc_keep(x, threshold, applies=True):
+  """(keep, ambiguous): llama.cpp's XTC when its coin says so (`applies`): if at least two
+  tokens have p >= threshold, remove those above the least probable of them (all tokens tied at
+  that least probability stay). threshold > 0.5 never removes anything."""
+  probs = softmax64(x)
+  size = len(probs)
+  if not applies or threshold > 0.5:
+    return np.ones(size, bool), np.zeros(size, bool)
+  selectable = [i for i in range(size) if x[i] != -np.inf]
+  above = [i for i in selectable if probs[i] >= threshold]
+  ambiguous = np.array([x[i] != -np.inf and abs(probs[i] - threshold) <= 1e-5
+                        for i in range(size)])
+  if len(above) < 2:
+    return np.ones(size, bool), ambiguous
+  least = min(probs[i] for i in above)
+  keep = np.array([not (i in above and probs[i] > least) for i in range(size)])
+  return keep, ambiguous
+
+
+def no_repeat_ngram_banned(tokens, n):
+  """transformers' NoRepeatNGramLogitsProcessor on one row's tokens (a list): the set of ids
+  that would complete an n-gram already in them."""
+  if n <= 0 or len(tokens) + 1 < n:
+    return set()
+  grams = {}
+  for i in range(len(tokens) - n + 1):
+    gram = tuple(tokens[i:i + n])
+    grams.setdefault(gram[:-1], set()).add(gram[-1])
+  return grams.get(tuple(tokens[len(tokens) - n + 1:]) if n > 1 else (), set())
+
+
+def bad_words_banned(tokens, words):
+  """transformers' NoBadWordsLogitsProcessor on one row: the last id of each word whose other
+  ids are the row's last tokens (a one-token word always)."""
+  banned = set()
+  for word in words:
+    prefix = list(word[:-1])
+    if not prefix or (len(prefix) <= len(tokens) and list(tokens[len(tokens) - len(prefix):])
+                      == prefix):
+      banned.add(word[-1])
+  return banned
+
+
+def dynatemp_logits(x, temperature, spread, exponent):
+  """llama.cpp's dynamic temperature (llama_sampler_temp_ext) on one row, in float64: divide by
+  T_min + (T_max - T_min)·(H / log N)^exponent, N the selectable tokens (one: unchanged)."""
+  x = np.asarray(x, np.float64)
+  selectable = [v for v in x if v != -np.inf]
+  if spread <= 0 or temperature <= 0 or len(selectable) <= 1:
+    return x if spread > 0 and temperature > 0 else x / temperature
+  probs = softmax64(x)
+  entropy = -sum(p * math.log(p) for p in probs if p > 0)
+  low, high = max(0.0, temperature - spread), temperature + spread
+  t = low + (high - low) * min(entropy / math.log(len(selectable)), 1.0) ** exponent
+  if t == 0:  # greedy: a point mass on the first largest logit, its value kept
+    out = np.full(x.size, -np.inf)
+    out[first_argmax(x)] = x[first_argmax(x)]
+    return out
+  scaled = x / t
+  if np.any(np.abs(scaled[np.isfinite(x)]) > np.finfo(np.float32).max):
+    scaled = (x - x.max()) / t  # what float32 does instead of overflowing (processors docs)
+  return np.where(scaled < -np.finfo(np.float32).max, -np.inf, scaled)  # float32: -inf there
+
+
+def dry_penalties(tokens, vocab, multiplier, base, allowed_length, penalty_last_n, breakers):
+  """llama.cpp's DRY (llama_sampler_dry_apply) on one row's tokens, with single-token breakers,
+  written naively (no Z-algorithm): the penalty subtracted from each token's logit (float64)."""
+  penalty = np.zeros(vocab)
+  if multiplier == 0 or base < 1 or penalty_last_n == 0:
+    return penalty
+  last_n = len(tokens) if penalty_last_n == -1 else min(penalty_last_n, len(tokens))
+  window = list(tokens[len(tokens) - last_n:])
+  if last_n <= allowed_length:
+    return penalty
+  rat = lambda i: window[last_n - 1 - i]  # i-th token from the end
+  rep_limit = last_n
+  for i in range(last_n):
+    if rat(i) in breakers:
+      rep_limit = i
+      break
+  if rep_limit < allowed_length:
+    return penalty
+  longest = {}
+  for k in range(1, last_n):  # the repeat of the last tokens that ends k tokens from the end
+    n = 0
+    while n + k < last_n and rat(n) == rat(n + k):
+      n += 1
+    n = min(n, rep_limit)
+    if n >= allowed_length:
+      token = rat(k - 1)  # the token after it
+      longest[token] = max(longest.get(token, 0), n)
+  max_exponent = int(np.float32(88.7228391) / np.log(np.float32(base))) if base > 1.000001 else 0
+  for token, n in longest.items():
+    if token in breakers or not 0 <= token < vocab:
+      continue
+    exponent = n - allowed_length
+    if max_exponent > 0 and exponent > max_exponent:
+      exponent = max_exponent
+    penalty[token] = min(multiplier * float(base) ** exponent, float(np.finfo(np.float32).max))
+  return penalty

@@ -60,8 +60,9 @@ def test_result_is_valid_json_and_formats_as_a_table(kernel_result):
     assert back["machine"][field]
   table = bench.format_table(kernel_result)
   assert "$ test" in table and "argmax ms" in table
-  assert sum(line.startswith(("wide ", "lm ")) for line in table.splitlines()) == 4  # 2 tables
-  assert "penalties  bias+ban" in table
+  assert sum(line.startswith(("wide ", "lm ")) for line in table.splitlines()) == 6  # 3 tables
+  assert "penalties  bias+ban" in table and "top-nσ       xtc" in table
+  assert max(len(line) for line in table.splitlines()) <= 100
 
 
 def test_time_round_robin_alternates_after_warmup():

@@ -623,3 +623,37 @@ def test_a_dead_end_is_reported_by_generate_and_the_command_with_status_3(tiny, 
   code, text, err = run_cli(capsys, "generate", "x", "--model", path, "--regex", pattern,
                             "--greedy", "--max-new-tokens", "8", "--json")
   assert code == 0 and json.loads(text)["rows"][0]["dead_end"] is False and not err
+
+
+@pytest.mark.slow
+def test_generate_stream_and_the_cli_give_the_history_rules_the_prompt(tiny, capsys):
+  """no_repeat_ngram_size and bad_words see the prompt (transformers' reading): no new token
+  completes a trigram of prompt + text, the bad word never appears; stream = generate; the
+  command's flags build the same params."""
+  model, path = tiny
+  prompts = ["abcabcab", "zz"]
+  params = jaxdecode.SamplingParams(temperature=0.0, no_repeat_ngram_size=3, bad_words=[[99, 100]],
+                                    top_n_sigma=2.0, xtc_probability=1.0, xtc_threshold=0.2)
+  out = generate(prompts, model=model, params=params, max_new_tokens=12)
+  for b, prompt in enumerate(prompts):
+    seq = TOK.encode(prompt) + out.tokens[b, :out.lengths[b]].tolist()
+    grams = [tuple(seq[i:i + 3]) for i in range(len(seq) - 2)]
+    start = len(TOK.encode(prompt)) - 2  # the first trigram that ends in a new token
+    assert all(g not in grams[:i] for i, g in enumerate(grams) if i >= start), seq
+    assert "cd" not in out.texts[b]
+  # Sampled rows with the stateful rules (mirostat's mu, DRY's history): stream = generate.
+  sampled = jaxdecode.SamplingParams(temperature=[0.9, 1.1], mirostat=[2, 0], mirostat_tau=3.0,
+                                     dry_multiplier=0.8, dynatemp_range=[0.0, 0.5],
+                                     no_repeat_ngram_size=3)
+  whole = generate(prompts, model=model, params=sampled, max_new_tokens=12, seed=4)
+  streamed = ["", ""]
+  for chunk in jaxdecode.models.stream(prompts, model=model, params=sampled, max_new_tokens=12,
+                                       seed=4, chunk_size=5):
+    streamed = [s + t for s, t in zip(streamed, chunk.texts)]
+  assert streamed == whole.texts
+  code, printed, _ = run_cli(capsys, "generate", *prompts, "--model", path, "--greedy",
+                             "--no-repeat-ngram-size", "3", "--bad-word", "cd", "--top-n-sigma",
+                             "2", "--xtc-probability", "1", "--xtc-threshold", "0.2",
+                             "--max-new-tokens", "12", "--json", "--top-p", "1")
+  report = json.loads(printed)
+  assert code == 0 and [r["text"] for r in report["rows"]] == out.texts

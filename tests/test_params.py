@@ -15,11 +15,12 @@ def test_defaults_are_the_disabled_values():
   assert p.top_k.dtype == jnp.int32 and p.temperature.dtype == jnp.float32
 
 
-def test_is_a_pytree_of_fifteen_leaves_that_round_trips():
+def test_is_a_pytree_of_thirty_leaves_that_round_trips():
   p = SamplingParams(temperature=[0.5, 1.0], top_k=3, top_p=0.9, min_p=0.1)
   leaves, treedef = jax.tree.flatten(p)
-  # 11 number fields, logit_bias (ids, biases), banned and allowed ids.
-  assert len(leaves) == 15
+  # 24 number fields, logit_bias (ids, biases), banned and allowed ids, DRY's sequence
+  # breakers, bad words.
+  assert len(leaves) == 30
   q = jax.tree.unflatten(treedef, leaves)
   assert isinstance(q, SamplingParams)
   np.testing.assert_array_equal(q.temperature, [0.5, 1.0])

@@ -65,7 +65,9 @@ def _params(batch):
       temperature=jnp.array([0.0, 1.3, 0.7])[:batch], top_k=jnp.array([0, 5, 0])[:batch],
       top_p=jnp.array([1.0, 0.9, 0.6])[:batch], min_p=jnp.array([0.0, 0.0, 0.05])[:batch],
       typical_p=jnp.array([1.0, 0.95, 1.0])[:batch],
-      repetition_penalty=jnp.array([1.0, 1.3, 1.0])[:batch], min_new_tokens=2)
+      repetition_penalty=jnp.array([1.0, 1.3, 1.0])[:batch], min_new_tokens=2,
+      mirostat=jnp.array([0, 0, 2])[:batch], mirostat_tau=2.0, dry_multiplier=0.5,
+      no_repeat_ngram_size=jnp.array([0, 3, 0])[:batch])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,14 +248,24 @@ def test_the_sampling_chain_is_the_same_in_both_formulations():
           rng.choice([0, 1, 5, 40, 70, 299], batch), jnp.int32),
       top_p=pick(1, 0.9, 0.5, 0.999), min_p=pick(0, 0.05), typical_p=pick(1, 0.9),
       epsilon_cutoff=pick(0, 1e-3), eta_cutoff=pick(0, 1e-3), repetition_penalty=pick(1, 1.3),
-      presence_penalty=pick(0, 0.5), logit_bias={3: 2.0, 7: -100.0}, banned_token_ids=[11])
+      presence_penalty=pick(0, 0.5), logit_bias={3: 2.0, 7: -100.0}, banned_token_ids=[11],
+      top_n_sigma=pick(0, 1, 2.5), xtc_threshold=pick(0.01, 0.1, 0.6), xtc_probability=pick(0, 1),
+      dynatemp_range=pick(0, 0.5, 2), dynatemp_exponent=pick(0, 1, 2),
+      mirostat=jnp.asarray(rng.choice([0, 2], batch), jnp.int32), mirostat_tau=pick(0, 1, 3),
+      dry_multiplier=pick(0, 0.8), dry_allowed_length=jnp.asarray(
+          rng.choice([1, 2], batch), jnp.int32), dry_sequence_breakers=[3, 17],
+      no_repeat_ngram_size=jnp.asarray(rng.choice([0, 1, 2, 3], batch), jnp.int32),
+      bad_words=[[5, 6], [7, 8, 9], [10]])
   counts = jnp.asarray(rng.integers(0, 3, (batch, vocab)), jnp.int32)
+  history = rng.integers(0, 20, (batch, 12)).astype(np.int32)
+  history[:, :3] = -1
   keys = jax.random.split(jax.random.key(1), batch)
-  plain = params.replace(repetition_penalty=1.0, presence_penalty=0.0)
+  plain = params.replace(repetition_penalty=1.0, presence_penalty=0.0,
+                         xtc_probability=pick(0, 0.5, 1))
 
   def run():
-    return (jaxdecode.process_logits(x, params, counts=counts),
-            jaxdecode.sample_with_logprobs(keys, x, plain))
+    return (jaxdecode.process_logits(x, params, counts=counts, history=history),
+            jaxdecode.sample_with_logprobs(keys, x, plain, history=history))
 
   branches, straight = _both(run)
   _same(branches, straight)

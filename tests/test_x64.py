@@ -163,7 +163,9 @@ def test_no_float64_or_int64_array_is_left_inside_the_loops_under_x64():
   params = jaxdecode.SamplingParams(
       temperature=[0.5, 0.0], top_k=[0, 3], top_p=0.9, min_p=0.1, typical_p=0.9,
       epsilon_cutoff=0.01, eta_cutoff=0.01, repetition_penalty=1.2, presence_penalty=0.1,
-      frequency_penalty=0.1, logit_bias={1: 2.0}, banned_token_ids=[3], min_new_tokens=1)
+      frequency_penalty=0.1, logit_bias={1: 2.0}, banned_token_ids=[3], min_new_tokens=1,
+      top_n_sigma=1.0, xtc_probability=0.5, dynatemp_range=0.5, dry_multiplier=0.8,
+      dry_sequence_breakers=[2], mirostat=[2, 0], no_repeat_ngram_size=2, bad_words=[[1, 5]])
   table = toy_model.table(vocab)
   with jax.enable_x64(True):
     assert jnp.zeros(1).dtype == jnp.float64  # the setting is on here
@@ -177,6 +179,8 @@ def test_no_float64_or_int64_array_is_left_inside_the_loops_under_x64():
     drafter = jaxdecode.NgramDrafter(jnp.zeros((batch, 3), jnp.int32), positions)
     programs = {
         "sample": lambda: sampling._sample(key, logits, p, counts),
+        "sample_with_history": lambda: sampling._sample(key, logits, p, counts,
+                                                        jnp.zeros((batch, 5), jnp.int32)),
         "decode": lambda: decoding._decode(step, state, logits, key, p, positions, eos, pad,
                                            counts, (), None, max_new_tokens=4, chunk_size=2,
                                            top_logprobs=2, logprobs_mode="raw"),

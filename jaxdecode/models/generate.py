@@ -203,11 +203,13 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
     return _beam_generation(batch.graphdef, batch.state, batch.logits, batch.lengths,
                             batch.counts, batch.started, tokenizer, batch.params, max_new_tokens,
                             beam_size, num_return, length_penalty,
-                            prompt_logprobs=batch.prompt_logprobs, constraint=batch.constraint)
+                            prompt_logprobs=batch.prompt_logprobs, constraint=batch.constraint,
+                            prompt_tokens=batch.prompt_tokens)
   stats = {}
   options = dict(key=batch.key, params=batch.params, max_new_tokens=max_new_tokens,
                  positions=batch.lengths, eos_ids=[tokenizer.EOS], pad_id=tokenizer.PAD,
-                 counts=batch.counts, constraint=batch.constraint)
+                 counts=batch.counts, constraint=batch.constraint,
+                 prompt_tokens=batch.prompt_tokens)
   if draft is None:
     out = decode(step_fn_for(batch.graphdef), batch.state, batch.logits, **options,
                  top_logprobs=batch.top_logprobs, logprobs_mode=batch.logprobs_mode)
@@ -265,6 +267,19 @@ class Prepared:
   logprobs_mode: str
   prompt_logprobs: list | None
   constraint: object = None
+
+  @property
+  def prompt_tokens(self) -> jax.Array:
+    """int32[B, T]: each row's prompt, -1 after its end (the loops' `prompt_tokens`, so that
+    the rules that read a row's history see the prompt, as transformers and llama.cpp do)."""
+    return prompt_ids(self.tokens, self.lengths)
+
+
+@jax.jit
+def prompt_ids(tokens, lengths):
+  """Right-padded prompts `[B, T]` with `lengths` -> the same with -1 on the padding."""
+  real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+  return jnp.where(real, tokens, -1).astype(jnp.int32)
 
 
 def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, penalize_prompt,
@@ -464,14 +479,14 @@ def _check_draft(draft, num_draft_tokens, model: Transformer, beam_size) -> None
 
 def _beam_generation(graphdef, state, logits, lengths, counts, started, tokenizer, params,
                      max_new_tokens, beam_size, num_return, length_penalty,
-                     prompt_logprobs=None, constraint=None) -> Generation:
+                     prompt_logprobs=None, constraint=None, prompt_tokens=None) -> Generation:
   """`generate` with beam search, from the prefill on: the best beam in the main fields, the
   `num_return` best in `beams` and `scores`."""
   out = beam_search(step_fn_for(graphdef), state, logits, beam_size=beam_size,
                     num_return=num_return, max_new_tokens=max_new_tokens, positions=lengths,
                     eos_ids=[tokenizer.EOS], pad_id=tokenizer.PAD, length_penalty=length_penalty,
                     params=params, counts=counts, state_axes=DECODE_STATE_AXES,
-                    constraint=constraint)
+                    constraint=constraint, prompt_tokens=prompt_tokens)
   tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)  # [B, R, N], [B, R]
   seconds = time.perf_counter() - started
   # A slot that no hypothesis reached (length 0, score -inf: the prompt has fewer possible

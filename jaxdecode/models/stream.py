@@ -112,7 +112,7 @@ def _chunks(batch, max_new_tokens: int, chunk_size: int) -> Iterator[StreamChunk
   counts = jnp.zeros(batch.logits.shape, jnp.int32) if counts is None else counts
   decoding.check_fits(step_fn, batch.state, batch.lengths, max_new_tokens, "stream")
   inputs = (batch.key, params, batch.lengths, jnp.asarray([tok.EOS], jnp.int32),
-            jnp.asarray(tok.PAD, jnp.int32), batch.constraint)
+            jnp.asarray(tok.PAD, jnp.int32), batch.constraint, batch.prompt_tokens)
   carry = _start(step_fn, batch.state, batch.logits, counts, *inputs,
                  max_new_tokens=max_new_tokens)
   rows = [extras.RowText(batch.stop, batch.include_stop) for _ in range(batch.logits.shape[0])]
@@ -150,28 +150,28 @@ def _texts(rows, seen, tokens, lengths, finished, dead_end, max_new_tokens: int)
 
 
 @functools.partial(jax.jit, static_argnames=("step_fn", "max_new_tokens"))
-def _start(step_fn, state, logits, counts, key, params, positions, eos, pad, constraint, *,
-           max_new_tokens: int):
+def _start(step_fn, state, logits, counts, key, params, positions, eos, pad, constraint,
+           prompt_tokens, *, max_new_tokens: int):
   """`decode`'s step 0 (from the prefill's logits): the carry `(LoopState, float32 logits)`
   before the first chunk."""
   batch, vocab = logits.shape
   spec = decoding.make_spec(key, params, positions, eos, pad, (), batch=batch, vocab=vocab,
-                            constraint=constraint)
+                            constraint=constraint, prompt_tokens=prompt_tokens)
   carry = decoding.start(spec, state, logits, counts, max_new_tokens)
   s, _, logits = decoding.make_advance(step_fn, spec)(carry, jnp.int32(0), call=False)
   return s, logits
 
 
 @functools.partial(jax.jit, static_argnames=("step_fn", "chunk_size"))
-def _chunk(step_fn, carry, key, params, positions, eos, pad, constraint, first, *,
-           chunk_size: int):
+def _chunk(step_fn, carry, key, params, positions, eos, pad, constraint, prompt_tokens, first,
+           *, chunk_size: int):
   """Steps first .. first + chunk_size - 1 of `decode`'s loop (one program for every chunk:
   `first` is traced) on the carry `(LoopState, logits)`. Steps past a row's end record nothing,
   as in `decode`."""
   s, logits = carry
   batch, vocab = s.counts.shape
   spec = decoding.make_spec(key, params, positions, eos, pad, (), batch=batch, vocab=vocab,
-                            constraint=constraint)
+                            constraint=constraint, prompt_tokens=prompt_tokens)
   advance = decoding.make_advance(step_fn, spec)
 
   def body(carry, t):

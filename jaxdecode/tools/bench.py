@@ -23,8 +23,9 @@ Tables:
    (`sort_top_p_sample`) and, when `transformers` is installed, its Flax top-p warper, each as
    time / argmax time; plus the speedups of jaxdecode's top-p over the two sort-based ones.
    The controls (`CONTROL_PARAMS`: penalties with token counts, logit bias + banned tokens,
-   allowed tokens, typical-p, epsilon, eta) are timed in the same round robin and printed as a
-   second table.
+   allowed tokens, typical-p, epsilon, eta, top-nσ, XTC, dynamic temperature, mirostat 2, and
+   over a history DRY, n-gram and bad-word bans, and those seven at once) are timed in the same round robin and printed as a second
+   table.
 2. Decode. `jaxdecode.decode` of 64 new tokens for a batch of 8 prompts (no EOS) with top-p 0.9
    versus greedy, for the embedded default model and a random-weights model with a 32000-token
    vocabulary; the first call (compilation included) versus a later one; and a decode whose rows
@@ -127,7 +128,16 @@ CONTROL_PARAMS = {
     "typical": dict(typical_p=0.9),
     "epsilon": dict(epsilon_cutoff=3e-4),
     "eta": dict(eta_cutoff=3e-4),
+    "top_n_sigma": dict(top_n_sigma=1.0),
+    "xtc": dict(xtc_threshold=0.1, xtc_probability=0.5),
+    "dynatemp": dict(dynatemp_range=0.5),
+    "dry": dict(dry_multiplier=0.8),
+    "mirostat": dict(mirostat=2, mirostat_tau=5.0),
+    "ngram": dict(no_repeat_ngram_size=3),
+    "bad_words": "bad_words, CONTROL_IDS sequences of 1 to 4 ids per row",
+    "new_all": "top_n_sigma, xtc, dynatemp, dry, mirostat, ngram and bad_words at once",
 }
+CONTROL_HISTORY = 256  # tokens of history per row for the n-gram and bad-word bans
 SORT_PEER = "sort_top_p"
 HF_PEER = "transformers_top_p"
 
@@ -319,9 +329,9 @@ def kernel_row(shape: str, batch: int, vocab: int, *, runs: int = RUNS, peers: b
   for name, settings in KERNEL_PARAMS.items():
     params = SamplingParams(**settings)  # built (and validated) once, outside the timing
     fns[name] = lambda params=params: jaxdecode.sample(key, logits, params)
-  for name, (params, counts) in control_params(batch, vocab, seed).items():
-    fns[name] = lambda params=params, counts=counts: jaxdecode.sample(key, logits, params,
-                                                                     counts=counts)
+  for name, (params, counts, history) in control_params(batch, vocab, seed).items():
+    fns[name] = lambda params=params, counts=counts, history=history: jaxdecode.sample(
+        key, logits, params, counts=counts, history=history)
   if peers:
     top_p = jnp.float32(TOP_P)
     fns[SORT_PEER] = lambda: sort_top_p_sample(key, logits, top_p)
@@ -339,22 +349,37 @@ def kernel_row(shape: str, batch: int, vocab: int, *, runs: int = RUNS, peers: b
 
 
 def control_params(batch: int, vocab: int, seed: int = 0) -> dict:
-  """name -> (SamplingParams, counts or None) for the control columns (see CONTROL_PARAMS)."""
+  """name -> (SamplingParams, counts or None, history or None) for the control columns (see
+  CONTROL_PARAMS)."""
   rng = np.random.default_rng(seed)
   def ids(n):
     return [rng.choice(vocab, min(n, vocab), replace=False).tolist() for _ in range(batch)]
 
   seen = rng.integers(0, vocab, size=(batch, CONTROL_SEEN))
   counts = jaxdecode.token_counts(jnp.asarray(seen), vocab)
+  history = jnp.asarray(rng.integers(0, vocab, size=(batch, CONTROL_HISTORY)), jnp.int32)
+  words = [[rng.integers(0, vocab, rng.integers(1, 5)).tolist() for _ in range(CONTROL_IDS)]
+           for _ in range(batch)]
+  new = dict(CONTROL_PARAMS["top_n_sigma"], **CONTROL_PARAMS["xtc"], **CONTROL_PARAMS["ngram"],
+             **CONTROL_PARAMS["dynatemp"], **CONTROL_PARAMS["dry"],
+             **CONTROL_PARAMS["mirostat"])
   return {
-      "penalties": (SamplingParams(**CONTROL_PARAMS["penalties"]), counts),
+      "penalties": (SamplingParams(**CONTROL_PARAMS["penalties"]), counts, None),
       "bias_ban": (SamplingParams(
           logit_bias=[dict(zip(r, rng.normal(size=CONTROL_IDS).tolist())) for r in
-                      ids(CONTROL_IDS)], banned_token_ids=ids(CONTROL_IDS)), None),
-      "allowed": (SamplingParams(allowed_token_ids=ids(CONTROL_ALLOWED)), None),
-      "typical": (SamplingParams(**CONTROL_PARAMS["typical"]), None),
-      "epsilon": (SamplingParams(**CONTROL_PARAMS["epsilon"]), None),
-      "eta": (SamplingParams(**CONTROL_PARAMS["eta"]), None),
+                      ids(CONTROL_IDS)], banned_token_ids=ids(CONTROL_IDS)), None, None),
+      "allowed": (SamplingParams(allowed_token_ids=ids(CONTROL_ALLOWED)), None, None),
+      "typical": (SamplingParams(**CONTROL_PARAMS["typical"]), None, None),
+      "epsilon": (SamplingParams(**CONTROL_PARAMS["epsilon"]), None, None),
+      "eta": (SamplingParams(**CONTROL_PARAMS["eta"]), None, None),
+      "top_n_sigma": (SamplingParams(**CONTROL_PARAMS["top_n_sigma"]), None, None),
+      "xtc": (SamplingParams(**CONTROL_PARAMS["xtc"]), None, None),
+      "dynatemp": (SamplingParams(**CONTROL_PARAMS["dynatemp"]), None, None),
+      "dry": (SamplingParams(**CONTROL_PARAMS["dry"]), None, history),
+      "mirostat": (SamplingParams(**CONTROL_PARAMS["mirostat"]), None, None),
+      "ngram": (SamplingParams(**CONTROL_PARAMS["ngram"]), None, history),
+      "bad_words": (SamplingParams(bad_words=words), None, history),
+      "new_all": (SamplingParams(**new, bad_words=words), None, history),
   }
 
 
@@ -1268,6 +1293,9 @@ def _fmt(value: float | None) -> str:
 _CONTROL_COLUMNS = (("penalties", "penalties"), ("bias+ban", "bias_ban"),
                     ("allowed", "allowed"), ("typical-p", "typical"), ("epsilon", "epsilon"),
                     ("eta", "eta"))
+_SAMPLER_COLUMNS = (("top-nσ", "top_n_sigma"), ("xtc", "xtc"), ("dynatemp", "dynatemp"),
+                    ("mirostat", "mirostat"), ("dry", "dry"), ("ngram", "ngram"),
+                    ("bad-words", "bad_words"), ("all-new", "new_all"))
 _KERNEL_COLUMNS = (  # (header, ratio key) after `argmax ms`
     ("greedy", "greedy"), ("sample", "sample"), ("top-k", "top_k"), ("top-p", "top_p"),
     ("min-p", "min_p"), ("chain", "chain"), ("sort-p", SORT_PEER), ("hf-p", HF_PEER))
@@ -1344,6 +1372,21 @@ def format_table(result: Mapping) -> str:
         f"{CONTROL_SEEN} seen tokens per row; bias+ban = logit_bias and banned_token_ids, "
         f"{CONTROL_IDS} ids each per row; allowed = allowed_token_ids, {CONTROL_ALLOWED} per "
         f"row; typical-p 0.9; epsilon 3e-4; eta 3e-4 (jaxdecode.sample at T=1).", _WIDTH)
+    lines.append("")
+    lines += textwrap.wrap("Samplers beyond transformers: time / argmax time, the same round "
+                           "robin.", _WIDTH)
+    header = (f"{'shape':<5} {'B':>3} {'V':>7} "
+              + " ".join(f"{h:>9}" for h, _ in _SAMPLER_COLUMNS))
+    lines += [header, "-" * len(header)]
+    for row in kernel:
+      lines.append(f"{row['shape']:<5} {row['batch']:>3} {row['vocab']:>7} "
+                   + " ".join(f"{_fmt(row['ratio'].get(k)):>9}" for _, k in _SAMPLER_COLUMNS))
+    lines += textwrap.wrap(
+        f"top-nσ 1; xtc threshold 0.1, probability 0.5; dynatemp range 0.5; mirostat 2 (tau 5, "
+        f"its first step); over a history of {CONTROL_HISTORY} random tokens per row: dry "
+        f"multiplier 0.8 (base 1.75, allowed length 2), ngram = no_repeat_ngram_size 3, "
+        f"bad-words = {CONTROL_IDS} sequences of 1-4 ids per row; all-new = those seven at "
+        f"once (jaxdecode.sample at T=1).", _WIDTH)
     lines.append("")
   if result.get("decode"):
     lines += _section(

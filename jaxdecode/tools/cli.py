@@ -47,6 +47,40 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--typical-p", type=number, default=1.0)
   g.add_argument("--epsilon-cutoff", type=number, default=0.0)
   g.add_argument("--eta-cutoff", type=number, default=0.0)
+  g.add_argument("--top-n-sigma", type=number, default=0.0, metavar="N",
+                 help="keep the tokens whose logit is within N standard deviations of the "
+                      "largest (llama.cpp's top-nσ; <= 0 off)")
+  g.add_argument("--xtc-threshold", type=number, default=0.1, metavar="P",
+                 help="XTC: the probability from which tokens count as top choices")
+  g.add_argument("--xtc-probability", type=number, default=0.0, metavar="P",
+                 help="XTC: how often a step excludes its top choices but the least probable "
+                      "(0 off)")
+  g.add_argument("--dynatemp-range", type=number, default=0.0, metavar="R",
+                 help="dynamic temperature: from T - R (confident steps) to T + R (uncertain "
+                      "ones), by the step's normalized entropy (0 off)")
+  g.add_argument("--dynatemp-exponent", type=number, default=1.0, metavar="E",
+                 help="dynamic temperature: the power of the normalized entropy")
+  g.add_argument("--dry-multiplier", type=number, default=0.0, metavar="M",
+                 help="DRY: the penalty of a token that extends a repeat of the text (0 off)")
+  g.add_argument("--dry-base", type=number, default=1.75, metavar="B",
+                 help="DRY: the penalty grows as B ** (repeat length - allowed length)")
+  g.add_argument("--dry-allowed-length", type=integer, default=2, metavar="N",
+                 help="DRY: repeats up to N tokens are not penalized")
+  g.add_argument("--dry-penalty-last-n", type=integer, default=-1, metavar="N",
+                 help="DRY: look at the last N tokens of prompt and text (-1: all)")
+  g.add_argument("--dry-sequence-breaker", action="append", default=None, metavar="CHAR",
+                 help="DRY: a one-token text that ends a repeat (repeatable; default: "
+                      "llama.cpp's newline, ':', '\"' and '*')")
+  g.add_argument("--mirostat", type=integer, default=0, choices=(0, 2), metavar="{0,2}",
+                 help="2: mirostat 2, which steers each step's surprise toward --mirostat-tau")
+  g.add_argument("--mirostat-tau", type=number, default=5.0, metavar="TAU",
+                 help="mirostat: the target surprise, in bits")
+  g.add_argument("--mirostat-eta", type=number, default=0.1, metavar="ETA",
+                 help="mirostat: the learning rate of its state")
+  g.add_argument("--no-repeat-ngram-size", type=integer, default=0, metavar="N",
+                 help="never repeat an n-gram of the prompt and new text (transformers'; 0 off)")
+  g.add_argument("--bad-word", action="append", default=None, metavar="TEXT",
+                 help="never produce TEXT (its tokens as one banned sequence; repeatable)")
   g.add_argument("--repetition-penalty", type=number, default=1.0,
                  help="HF's rule: > 1 discourages tokens already seen")
   g.add_argument("--presence-penalty", type=number, default=0.0)
@@ -164,7 +198,36 @@ def _load_model(path):
 
 
 _CONTROL = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_new_tokens": 0}
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_new_tokens": 0,
+            "top_n_sigma": 0.0, "xtc_threshold": 0.1, "xtc_probability": 0.0,
+            "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "dry_multiplier": 0.0,
+            "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+            "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
+            "no_repeat_ngram_size": 0}
+
+
+def _bad_words(texts) -> list | None:
+  """--bad-word TEXTs -> token sequences (the embedded byte tokenizer's, no BOS)."""
+  if not texts:
+    return None
+  for text in texts:
+    if not text:
+      raise ValueError("--bad-word needs some text; got an empty one")
+  return [models.ByteTokenizer().encode(text, bos=False) for text in texts]
+
+
+DRY_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's default dry_sequence_breakers
+
+
+def _breakers(texts) -> list[int]:
+  """--dry-sequence-breaker texts (default llama.cpp's) -> token ids, one token each."""
+  ids = []
+  for text in DRY_BREAKERS if texts is None else texts:
+    tokens = models.ByteTokenizer().encode(text, bos=False)
+    if len(tokens) != 1:
+      raise ValueError(f"--dry-sequence-breaker must be one token; {text!r} is {len(tokens)}")
+    ids += tokens
+  return ids
 
 
 def _generate(args) -> None:
@@ -191,7 +254,8 @@ def _generate(args) -> None:
   control = {name: getattr(args, name) for name in _CONTROL if getattr(args, name) !=
              _CONTROL[name]}
   params = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=top_p,
-                          min_p=args.min_p, **control)
+                          min_p=args.min_p, bad_words=_bad_words(args.bad_word),
+                          dry_sequence_breakers=_breakers(args.dry_sequence_breaker), **control)
   if args.draft is None and args.num_draft_tokens != 4:
     raise ValueError("--num-draft-tokens applies to speculative decoding: add --draft")
   if args.draft is not None and beams is not None:
@@ -255,6 +319,7 @@ def _generate(args) -> None:
         ("min_p", args.min_p, 0.0)) if value != off)
   settings += "".join(f" {k}={v:g}" for k, v in control.items()) + (
       " penalize_prompt" if args.penalize_prompt else "")
+  settings += f" bad_words={args.bad_word!r}" if args.bad_word else ""
   settings += (f" n={args.n}" if args.n > 1 else "") + (
       f" stop={args.stop!r}" if args.stop else "")
   if args.draft is not None:
