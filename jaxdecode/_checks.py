@@ -159,6 +159,21 @@ def array(name: str, value, what: str):
   return host
 
 
+def token_rows(name: str, value, batch: int, what: str, caller: str = "") -> jax.Array:
+  """Token rows: an integer array [B, T] with B = `batch`, as int32; ValueError otherwise.
+
+  `what` says how the rows are laid out (e.g. "each row's prompt, padded with -1"); `caller`,
+  when given, names the function the value went to.
+  """
+  value = array(name, value, "an integer array [B, T]")
+  if jnp.ndim(value) != 2 or jnp.shape(value)[0] != batch or \
+      not jnp.issubdtype(jnp.result_type(value), jnp.integer):
+    raise ValueError(f"{caller + ': ' if caller else ''}{name} must be an integer array of "
+                     f"{batch} rows ({what}); got shape {jnp.shape(value)} and dtype "
+                     f"{jnp.result_type(value)}")
+  return jnp.asarray(value, jnp.int32)
+
+
 def logits(value, name: str = "logits") -> tuple[int, int]:
   """Checks a floating `[B, V]` array with V >= 1; returns (B, V)."""
   value = array(name, value, "a floating-point array [B, V]")

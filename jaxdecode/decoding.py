@@ -146,13 +146,8 @@ def check_prompt_tokens(prompt_tokens, batch: int, caller: str):
   """None, or the prompts as an int32 array [B, T] (negative ids are padding)."""
   if prompt_tokens is None:
     return None
-  prompt_tokens = _checks.array("prompt_tokens", prompt_tokens, "an integer array [B, T]")
-  if jnp.ndim(prompt_tokens) != 2 or jnp.shape(prompt_tokens)[0] != batch or \
-      not jnp.issubdtype(jnp.result_type(prompt_tokens), jnp.integer):
-    raise ValueError(f"{caller}: prompt_tokens must be an integer array [B, T] with B = {batch} "
-                     f"(each row's prompt, padded with -1); got shape {jnp.shape(prompt_tokens)} "
-                     f"and dtype {jnp.result_type(prompt_tokens)}")
-  return jnp.asarray(prompt_tokens, jnp.int32)
+  return _checks.token_rows("prompt_tokens", prompt_tokens, batch,
+                            "each row's prompt, padded with -1", caller)
 
 
 def score(logits, processed, token, logprob, *, top_logprobs: int, logprobs_mode: str):

@@ -168,13 +168,8 @@ def check_history(history, params: SamplingParams, batch: int, caller: str):
                        f"row's tokens, oldest first, padded with -1 at the start), or use "
                        f"jaxdecode.decode, which carries them")
     return None
-  history = _checks.array("history", history, "an integer array [B, H]")
-  if jnp.ndim(history) != 2 or jnp.shape(history)[0] != batch or \
-      not jnp.issubdtype(jnp.result_type(history), jnp.integer):
-    raise ValueError(f"history must be an integer array [B, H] with B = {batch} (each row's "
-                     f"tokens, oldest first, padded with -1 at the start); got shape "
-                     f"{jnp.shape(history)} and dtype {jnp.result_type(history)}")
-  return jnp.asarray(history, jnp.int32)
+  return _checks.token_rows("history", history, batch, "each row's tokens, oldest first, "
+                            "padded with -1 at the start")
 
 
 def token_counts(tokens, vocab_size: int, mask=None) -> jax.Array:

@@ -231,6 +231,11 @@ def test_no_repeat_ngram_and_bad_words_match_transformers_on_hostile_histories()
   assert ref.no_repeat_ngram_banned([3] * 12, 2) == {3}  # the reference is not vacuous
   with pytest.raises(ValueError, match="pass history="):
     jaxdecode.process_logits(x, SamplingParams(no_repeat_ngram_size=2))
+  for bad in (history[:1], history[:, :, None], history.astype(np.float32)):
+    with pytest.raises(ValueError, match=rf"history must be an integer array of {len(x)} rows"):
+      jaxdecode.process_logits(x, SamplingParams(no_repeat_ngram_size=2), history=bad)
+  with pytest.raises(ValueError, match="history must be an integer array"):
+    jaxdecode.process_logits(x, SamplingParams(no_repeat_ngram_size=2), history="tokens")
 
 
 def test_dry_matches_llama_cpp_on_hostile_histories():
@@ -555,3 +560,23 @@ def test_the_new_rules_compose_with_a_constraint_in_decode_and_speculative_decod
   for b in np.flatnonzero(finished):
     text = bytes(letters[t][0] for t in np.asarray(out.tokens[b, :out.lengths[b] - 1]))
     assert re.fullmatch(rb"(ab|c|de)+", text), text
+
+
+def test_every_loop_names_prompt_tokens_of_the_wrong_shape_or_dtype():
+  logits, state, positions = toy_model.prefill_bigram(BIGRAM, PROMPTS[:3], 32)
+  loops = {
+      "decode": lambda p: jaxdecode.decode(STEP, state, logits, key=jax.random.key(0),
+                                           params=SamplingParams(), max_new_tokens=4,
+                                           positions=positions, prompt_tokens=p),
+      "beam_search": lambda p: jaxdecode.beam_search(STEP, state, logits, beam_size=2,
+                                                     max_new_tokens=4, positions=positions,
+                                                     prompt_tokens=p),
+      "speculative_decode": lambda p: jaxdecode.speculative_decode(
+          STEP, state, logits, key=jax.random.key(0), params=SamplingParams(), max_new_tokens=4,
+          positions=positions, drafter=jaxdecode.NgramDrafter(*jaxdecode.right_pad(PROMPTS[:3], width=8)),
+          prompt_tokens=p)}
+  for name, run in loops.items():
+    for bad in (prompt_array(), prompt_array()[:3, :, None], prompt_array()[:3] * 0.5):
+      with pytest.raises(ValueError, match=rf"{name}: prompt_tokens must be an integer array of "
+                                           r"3 rows \(each row's prompt, padded with -1\)"):
+        run(bad)
