@@ -69,13 +69,12 @@ def row_params(rng, batch):
                         min_p=np.where(kind == 2, 0.05, 0.0).astype(np.float32))
 
 
-def needle_mixes(graphdef, weights, step_fn, mixes, batches, seed):
-  """Yields (alone, in the batch) (tokens, logprobs) for random mixes."""
+def needle_mixes(graphdef, weights, step_fn, batches, seed):
+  """Yields (alone, in the batch) (tokens, logprobs), one random mix per batch size."""
   rng = np.random.default_rng(seed)
   pool = corpus_prompts(40, seed)
   all_keys = jax.random.split(jax.random.key(seed), 64)
-  for m in range(mixes):
-    batch = int(rng.choice(batches))
+  for m, batch in enumerate(batches):
     slot = int(rng.integers(batch))
     needle = int(rng.integers(len(pool)))
     prompts = [pool[int(i)] for i in rng.integers(0, len(pool), batch)]
@@ -88,20 +87,20 @@ def needle_mixes(graphdef, weights, step_fn, mixes, batches, seed):
     yield m, alone, (together[0][slot:slot + 1], together[1][slot:slot + 1])
 
 
+# Batch sizes that take different kernels: 1 (XLA specializes size-1 dimensions), 2, odd ones,
+# and one past 32. Each size is a decode to compile, so the volume of random mixes (the last
+# round ran 200 here: 8 minutes) belongs to `jaxdecode audit --mixes N`, which draws random mixes
+# of a user's own model on their machine; the suite keeps the sizes that take other kernels.
+NEEDLE_BATCHES = [1, 2, 3, 8, 33]
+
+
 @pytest.mark.slow
 def test_needle_alone_equals_the_needle_in_random_batches_bit_for_bit(small):
-  for m, alone, together in needle_mixes(*small, mixes=6, batches=[3, 8], seed=0):
-    chex.assert_trees_all_equal(alone, together, custom_message=f"mix {m}")
-
-
-@pytest.mark.slow
-def test_needle_over_200_mixes_of_batch_sizes_1_to_32(small):
   count = 0
-  for m, alone, together in needle_mixes(*small, mixes=200, batches=list(range(1, 33)),
-                                         seed=1):
+  for m, alone, together in needle_mixes(*small, batches=NEEDLE_BATCHES, seed=0):
     chex.assert_trees_all_equal(alone, together, custom_message=f"mix {m}")
     count += 1
-  assert count == 200
+  assert count == len(NEEDLE_BATCHES)
 
 
 @pytest.mark.slow
@@ -111,7 +110,7 @@ def test_the_plain_numerics_differ_in_some_mix_so_the_needle_test_can_fail():
   graphdef, weights = nnx.split(plain)
   step_fn = make_step_fn(graphdef)
   differs = 0
-  for _, alone, together in needle_mixes(graphdef, weights, step_fn, mixes=6, batches=[3, 8],
+  for _, alone, together in needle_mixes(graphdef, weights, step_fn, batches=NEEDLE_BATCHES,
                                          seed=0):
     differs += not all(np.array_equal(a, b) for a, b in zip(alone, together))
   assert differs > 0
