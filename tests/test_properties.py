@@ -15,8 +15,10 @@ GRID = [-np.inf, -3.0, -1.5, -0.5, 0.0, 0.5, 1.0, 2.5, 7.0]
 
 @st.composite
 def cases(draw):
-  batch = draw(st.integers(1, 4))
-  vocab = draw(st.sampled_from([1, 2, 3, 8, 17]))
+  # Every shape is a compile of the chain, so the shapes are few (one row, where XLA specializes
+  # size-1 dimensions; several rows; V of 1, 2 and past one lane of 8) and the values many.
+  batch = draw(st.sampled_from([1, 3]))
+  vocab = draw(st.sampled_from([1, 2, 17]))
   logits = np.array(draw(st.lists(st.sampled_from(GRID), min_size=batch * vocab,
                                   max_size=batch * vocab)), np.float32).reshape(batch, vocab)
   logits[:, draw(st.integers(0, vocab - 1))] = 0.25  # every row has something selectable
