@@ -156,6 +156,7 @@ def score(logits_fn: Callable, prompt_tokens, prompt_lengths, new_tokens, *,
                      f"[B, T + N, V]; got {type(logits_fn).__name__}")
   prompt_tokens = _int_array("prompt_tokens", prompt_tokens, 2, "[B, T]")
   batch, width = prompt_tokens.shape
+  new_tokens = _checks.array("new_tokens", new_tokens, "an integer array [B, N]")
   if jnp.ndim(new_tokens) == 3:
     raise ValueError(f"score: new_tokens has shape {jnp.shape(new_tokens)}, beam search's "
                      f"[B, R, N]: a beam's tokens were chosen by their joint score, not sampled, "
