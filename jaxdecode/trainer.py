@@ -143,13 +143,13 @@ def score(logits_fn: Callable, prompt_tokens, prompt_lengths, new_tokens, *,
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxdecode
-    >>> table = jnp.log(jnp.array([[.1, .6, .3], [.5, .25, .25], [.2, .2, .6]]))
+    >>> table = jnp.log(jnp.array([[.1, .6, .3], [.5, .3, .2], [.2, .2, .6]]))
     >>> def logits_fn(tokens, lengths):  # a bigram model: the logits depend on the last token
     ...   return table[tokens]
-    >>> out = jaxdecode.score(logits_fn, jnp.array([[0]]), jnp.array([1]), jnp.array([[1, 2]]),
+    >>> out = jaxdecode.score(logits_fn, jnp.array([[0]]), jnp.array([1]), jnp.array([[1, 0]]),
     ...                       params=jaxdecode.SamplingParams(top_k=2))
-    >>> jnp.exp(out.raw).round(3).tolist(), jnp.exp(out.processed).round(3).tolist()
-    [[0.6, 0.25]], [[0.667, 0.5]]
+    >>> [[round(float(p), 3) for p in jnp.exp(kind[0])] for kind in (out.raw, out.processed)]
+    [[0.6, 0.5], [0.667, 0.625]]
   """
   if not callable(logits_fn):
     raise ValueError(f"logits_fn must be a function (tokens [B, T + N], lengths [B]) -> logits "
@@ -271,9 +271,9 @@ def logprob_diff(a, b, mask=None) -> LogprobDiff:
   Examples:
     >>> import jax.numpy as jnp, jaxdecode
     >>> a = jnp.log(jnp.array([[0.5, 0.25]]))
-    >>> d = jaxdecode.logprob_diff(a, a + jnp.array([[0.1, -0.1]]))
-    >>> round(float(d.mean_abs), 4), round(float(d.k1), 4), float(d.sequence_ratio[0])
-    (0.1, 0.0, 1.0)
+    >>> d = jaxdecode.logprob_diff(a, a + jnp.array([[0.1, 0.3]]))
+    >>> [round(float(x), 4) for x in (d.mean_abs, d.max_abs, d.k1, d.sequence_ratio[0])]
+    [0.2, 0.3, -0.2, 1.4918]
   """
   a = _checks.array("a", a, "a float array [B, N]")
   b = _checks.array("b", b, "a float array [B, N]")
