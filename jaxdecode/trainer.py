@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 from jaxdecode import _checks
+from jaxdecode import _platform
 from jaxdecode import decoding
 from jaxdecode import loop
 from jaxdecode import processors
@@ -85,8 +86,10 @@ def _score(logits_fn, prompt_tokens, prompt_lengths, new_tokens, params, constra
                        drawn_logprob=lax.stop_gradient(logprob), kinds=kinds), None
 
   # A plain scan of N steps (no early exit: a while loop has no reverse-mode derivative); a
-  # row past its end records nothing, as in `decode`.
-  state, _ = lax.scan(body, state, jnp.arange(steps, dtype=jnp.int32))
+  # row past its end records nothing, as in `decode`. One formulation per platform, as in
+  # `decode` (`jaxdecode._platform`): on a GPU the chain holds no data-dependent branch.
+  state = _platform.by_platform(
+      lambda s: lax.scan(body, s, jnp.arange(steps, dtype=jnp.int32))[0], state)
   return state.scores
 
 

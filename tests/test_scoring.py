@@ -364,69 +364,77 @@ def test_decode_refuses_bad_forced_tokens_by_name():
 
 @pytest.fixture(scope="module")
 def transformer_rollout():
+  """The sampler: models.generate(logprob_kinds=True) on a tiny transformer, two prompts of
+  different lengths, n = 2 samples each (row keys fold_in(k, i)), per-prompt params."""
   from flax import nnx
   from jaxdecode import models
   model = models.Transformer(models.TransformerConfig(d_model=32, n_layers=1, n_heads=2,
                                                       d_ff=64, max_len=64), rngs=nnx.Rngs(4))
   graphdef, weights = nnx.split(model)
-  prompts = [[256, 104, 105, 33], [256, 72], [256, 1, 2, 3, 4, 5]]
-  tokens, lengths = jaxdecode.right_pad(prompts, buckets=None, pad_id=258)
-  steps = 6
-  logits, state = models.prefill(graphdef, weights, tokens, lengths,
-                                 cache_length=tokens.shape[1] + steps)
-  params = SamplingParams(temperature=np.array([0.8, 1.0, 0.6], np.float32), top_k=40,
-                          frequency_penalty=np.array([0.0, 0.3, 0.0], np.float32))
-  out = jaxdecode.decode(models.make_step_fn(graphdef), state, logits, key=jax.random.key(5),
-                         params=params, max_new_tokens=steps, positions=lengths, eos_ids=[257],
-                         pad_id=258, scores=True)
-  return dict(graphdef=graphdef, weights=weights, tokens=tokens, lengths=lengths, out=out,
-              params=params)
+  tok = models.ByteTokenizer()
+  prompts = ["def f(x):", "ab"]
+  params = SamplingParams(temperature=np.array([0.8, 0.6], np.float32), top_k=40,
+                          frequency_penalty=np.array([0.0, 0.3], np.float32))
+  gen = models.generate(prompts, model=model, params=params, n=2, max_new_tokens=6, seed=2,
+                        logprob_kinds=True)
+  tokens, lengths = jaxdecode.right_pad([tok.encode(p) for p in prompts for _ in range(2)],
+                                        pad_id=tok.PAD, buckets=None)  # not generate's width
+  return dict(graphdef=graphdef, weights=weights, tokens=tokens, lengths=lengths, gen=gen,
+              params=params.rows(np.repeat(np.arange(2), 2)), tok=tok, model=model)
 
 
 @pytest.mark.slow
-def test_score_of_the_embedded_model_is_decode_bitwise_in_another_batch(transformer_rollout):
-  """Rows 2 and 0 alone (the sampler had three, in another order): models.forward over prompt +
-  tokens gives the kinds decode recorded, bit for bit."""
+def test_score_of_the_embedded_model_is_generate_bitwise_in_another_batch(transformer_rollout):
+  """Rows 3 and 0 alone (the sampler had four, in another order, and padded its prompts to
+  another width): models.forward over prompt + tokens gives the kinds generate recorded, bit
+  for bit; the two samples of a prompt differ; beams are refused."""
   from jaxdecode import models
   r = transformer_rollout
-  rows = np.array([2, 0])
+  gen, tok = r["gen"], r["tok"]
+  assert gen.texts[0] != gen.texts[1] or gen.texts[2] != gen.texts[3]
+  np.testing.assert_array_equal(gen.logprob_kinds.processed, gen.logprobs)
+  rows = np.array([3, 0])
   got = jaxdecode.score(models.forward_fn(r["graphdef"], r["weights"]), r["tokens"][rows],
-                        r["lengths"][rows], r["out"].tokens[rows], params=r["params"].rows(rows),
-                        eos_ids=[257], pad_id=258)
-  assert_same_bits(got, jax.tree.map(lambda x: x[rows], r["out"].scores))
+                        r["lengths"][rows], gen.tokens[rows], params=r["params"].rows(rows),
+                        eos_ids=[tok.EOS], pad_id=tok.PAD)
+  assert_same_bits(got, jax.tree.map(lambda x: x[rows], gen.logprob_kinds))
+  with pytest.raises(ValueError, match="logprob_kinds does not apply to beam search"):
+    models.generate(["ab"], model=r["model"], beam_size=2, logprob_kinds=True)
 
 
 @pytest.mark.slow
 def test_score_under_value_and_grad_keeps_the_bits_and_gives_the_plain_gradient(
     transformer_rollout):
-  """Under jax.value_and_grad the scores are still decode's bits; the gradient of the processed
-  log-probs is finite and matches jax.grad of a plain float32 reference (the training pass's
-  logits, temperature and the same top-k set) within float32 error."""
+  """Under jax.value_and_grad the scores are still the sampler's bits; the gradient of the
+  processed log-probs is finite and matches jax.grad of a plain float32 reference (the training
+  pass's logits, the frequency penalty, the temperature and the same top-k set) within float32
+  error."""
   from jaxdecode import models
   from flax import nnx
   r = transformer_rollout
-  out, params, lengths = r["out"], r["params"], r["lengths"]
-  mask = jnp.arange(out.tokens.shape[1])[None, :] < out.lengths[:, None]
+  gen, params, lengths, tok = r["gen"], r["params"], r["lengths"], r["tok"]
+  new = jnp.asarray(gen.tokens)
+  mask = jnp.arange(new.shape[1])[None, :] < jnp.asarray(gen.lengths)[:, None]
 
   def loss(weights):
-    s = jaxdecode.score(models.forward_fn(r["graphdef"], weights), r["tokens"], lengths,
-                        out.tokens, params=params, eos_ids=[257], pad_id=258)
+    s = jaxdecode.score(models.forward_fn(r["graphdef"], weights), r["tokens"], lengths, new,
+                        params=params, eos_ids=[tok.EOS], pad_id=tok.PAD)
     return jnp.sum(s.processed), s
 
   (_, got), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(r["weights"])
-  assert_same_bits(got, out.scores)
+  assert_same_bits(got, gen.logprob_kinds)
 
   def reference(weights):  # plain ops only: the training pass, a log-softmax, the top-k set
-    sequence, _ = jaxdecode.trainer.sequences(r["tokens"], lengths, out.tokens)
+    sequence, _ = jaxdecode.trainer.sequences(r["tokens"], lengths, new)
     z = nnx.merge(r["graphdef"], weights)(sequence)
-    at = lengths[:, None] - 1 + jnp.arange(out.tokens.shape[1])[None, :]
+    at = lengths[:, None] - 1 + jnp.arange(new.shape[1])[None, :]
     z = jnp.take_along_axis(z, at[:, :, None], axis=1)  # [B, N, V]
-    counts = jnp.cumsum(jax.nn.one_hot(out.tokens, z.shape[-1]), axis=1) - jax.nn.one_hot(
-        out.tokens, z.shape[-1])  # tokens before step t
+    seen = jax.nn.one_hot(new, z.shape[-1])
+    counts = jnp.cumsum(seen, axis=1) - seen  # each token's count before step t
     z = z - params.frequency_penalty[:, None, None] * counts
     kth = jnp.sort(jax.lax.stop_gradient(z), axis=-1)[..., -40][..., None]
     x = jnp.where(z >= kth, z / params.temperature[:, None, None], -jnp.inf)
-    lp = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), out.tokens[..., None], axis=-1)
+    lp = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), new[..., None], axis=-1)
     return jnp.sum(jnp.where(mask, lp[..., 0], 0.0))
 
   want = jax.jit(jax.grad(reference))(r["weights"])
