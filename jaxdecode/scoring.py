@@ -24,9 +24,14 @@ Gradients (`token_scores` is a `jax.custom_vjp` in the logits z): the chain's de
 set, a greedy row's argmax, a dynamic temperature's value) are constants, and the continuous maps
 are differentiated: `d raw / dz = onehot(y) - softmax(z)`; `d tempered / dz = (onehot(y) -
 softmax(z / T)) / T`; `d processed / dz_i = s_i (onehot(y)_i - q_i)` for i kept (0 elsewhere),
-s_i the slope of token i's processed logit in z_i (1 / T times the repetition penalty's factor
-1 / r or r where it acts); `d kept_logmass / dz = (softmax_K(z / T) - softmax(z / T)) / T`, K the
-kept set. Where a value is not finite (a removed token's -inf, NaN at T = 0) its gradient is 0.
+s_i the change of token i's processed logit when every logit rises by one (a forward-mode pass
+of the chain with a tangent of ones, `loop.draw_scored(slope=True)`): for the chain's
+elementwise maps that is dx_i / dz_i, i.e. 1 / T times the repetition penalty's factor (1 / r
+or r) where it acts (bias, presence, frequency and DRY add constants); a dynamic temperature
+depends on all logits but not on a uniform shift, so it is held at its value; a user processor
+that mixes tokens contributes its row sums. `d kept_logmass / dz = (softmax_K(z / T) -
+softmax(z / T)) / T`, K the kept set. Where a value is not finite (a removed token's -inf, NaN
+at T = 0) its gradient is 0.
 """
 
 from __future__ import annotations
@@ -105,8 +110,8 @@ def token_scores(logits: jax.Array, processed: jax.Array, slope: jax.Array, toke
   Args:
     logits: [B, V] the model's logits of the step (any float dtype).
     processed: float32[B, V] the processed logits the token's distribution is (`loop.process`).
-    slope: float32[B, V] d processed_i / d logits_i with the chain's decisions held (only the
-      gradient reads it; `processed_slope`).
+    slope: float32[B, V] each processed logit's change for a uniform shift of the logits, the
+      chain's decisions held (only the gradient reads it; `loop.draw_scored(slope=True)`).
     token: int32[B].
     temperature: float32[B] each row's temperature (params.temperature, not a dynamic one).
   """
@@ -130,11 +135,12 @@ def _bwd(residuals, cotangent):
   grad = weight(out.raw, cotangent.raw) * (onehot - _probs(base))
   greedy = temperature == 0
   t = jnp.where(greedy, 1.0, temperature)[:, None]
-  tempered = _probs(jnp.where(base == -jnp.inf, -jnp.inf, base / t))
+  scaled = _tempered_logits(base, temperature)  # the forward's z / T (its overflow rule too)
+  tempered = _probs(scaled)
   grad += weight(out.tempered, cotangent.tempered) * (onehot - tempered) / t
   kept = processed > -jnp.inf
   grad += weight(out.kept_logmass, cotangent.kept_logmass) * (
-      _probs(jnp.where(kept, base / t, -jnp.inf)) - tempered) / t
+      _probs(jnp.where(kept, scaled, -jnp.inf)) - tempered) / t
   q = _probs(processed)
   d_processed = jnp.where(kept, slope * (onehot - q), 0.0)
   grad += weight(out.processed, jnp.where(greedy, 0.0, cotangent.processed)) * d_processed
@@ -143,24 +149,6 @@ def _bwd(residuals, cotangent):
 
 
 token_scores.defvjp(_fwd, _bwd)
-
-
-def processed_slope(logits: jax.Array, params, counts: jax.Array | None,
-                    temperature: jax.Array) -> jax.Array:
-  """float32[B, V]: d processed_i / d logits_i with the chain's decisions held: 1 / T, times the
-  repetition penalty's factor where it acts on a seen token (x / r for x > 0, x · r for x < 0,
-  x the logit after the bias; the bias, presence, frequency and DRY terms add constants).
-  A dynamic temperature is held at its value: its base temperature is used. 0 for T = 0 rows."""
-  x = processors.prepare(logits)
-  if counts is not None:
-    x = processors.apply_logit_bias(x, *params.logit_bias)
-    seen = jnp.maximum(counts, 0) > 0
-    r = params.repetition_penalty[:, None]
-    factor = jnp.where(seen & (r != 1), jnp.where(x < 0, r, 1.0 / r), 1.0)
-  else:
-    factor = jnp.ones(x.shape, jnp.float32)
-  t = temperature[:, None]
-  return jnp.where(t > 0, factor / jnp.where(t > 0, t, 1.0), 0.0)
 
 
 def empty(batch: int, steps: int) -> Scores:

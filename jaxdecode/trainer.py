@@ -67,14 +67,16 @@ def _step_logits(logits_fn, prompt_tokens, prompt_lengths, new_tokens):
 
 
 def _score(logits_fn, prompt_tokens, prompt_lengths, new_tokens, params, constraint, eos, pad,
-           key, counts):
+           key, counts, logits_processors):
   batch, steps = new_tokens.shape
   logits = _step_logits(logits_fn, prompt_tokens, prompt_lengths, new_tokens)
   vocab = logits.shape[-1]
   column = jnp.arange(prompt_tokens.shape[1], dtype=jnp.int32)[None, :]
   history = jnp.where(column < prompt_lengths[:, None], prompt_tokens, -1)
-  spec = decoding.make_spec(key, params, prompt_lengths, eos, pad, (), batch=batch, vocab=vocab,
-                            constraint=constraint, prompt_tokens=history)
+  spec = decoding.make_spec(key, params, prompt_lengths, eos, pad, logits_processors,
+                            batch=batch, vocab=vocab, constraint=constraint,
+                            prompt_tokens=history)
+  loop.check_processors(spec, batch, vocab, steps)
   counts = jnp.zeros((batch, vocab), jnp.int32) if counts is None else counts
   state = loop.init_state(spec, None, counts, steps, scores=True)
 
@@ -98,7 +100,8 @@ _score_jit = jax.jit(_score)
 
 def score(logits_fn: Callable, prompt_tokens, prompt_lengths, new_tokens, *,
           params: SamplingParams | None = None, constraint=None, eos_ids: Sequence[int] = (),
-          pad_id: int = 0, key=None, counts=None) -> Scores:
+          pad_id: int = 0, key=None, counts=None,
+          logits_processors: Sequence[Callable] | None = None) -> Scores:
   """Teacher-forced log-probabilities of generated tokens, of every kind, from one forward pass.
 
   The trainer's side of on-policy RL: given the tokens a sampler (`decode`,
@@ -135,6 +138,9 @@ def score(logits_fn: Callable, prompt_tokens, prompt_lengths, new_tokens, *,
       has 0 < xtc_probability < 1; otherwise any key gives the same scores.
     counts: `int[B, V]`, the token counts the sampler started its penalties from (decode's
       `counts`; `models.generate(penalize_prompt=True)` counts the prompt). None: zeros.
+    logits_processors: the sampler's own logit processors (decode's `logits_processors`),
+      applied at each step exactly as there. For the gradient, a processor is differentiated
+      along a uniform shift of the logits (`jaxdecode.scoring`): exact for elementwise ones.
 
   Returns:
     A `jaxdecode.Scores` of float32[B, N] (raw, tempered, processed, kept_logmass; defined in
@@ -211,7 +217,7 @@ def score(logits_fn: Callable, prompt_tokens, prompt_lengths, new_tokens, *,
     key = jax.random.key(_SCORE_KEY_SEED)
   _checks.key(key, batch)
   return _score_jit(fn, prompt_tokens, prompt_lengths, new_tokens, params, constraint, eos, pad,
-                    key, counts)
+                    key, counts, loop.as_processors(logits_processors))
 
 
 def _int_array(name: str, value, ndim: int, shape: str) -> jax.Array:

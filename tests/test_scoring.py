@@ -46,8 +46,9 @@ def sequence_logits(tokens, lengths):
   return jnp.stack(out, axis=1)
 
 
-# Seven rows: every rule of SamplingParams on some row, a constraint, a greedy row, a row that
-# runs into a dead end, and an n = 2 group (rows 5 and 6: one prompt, keys fold_in(k, i)).
+# Seven rows: every rule of SamplingParams on some row, a user logit processor, a constraint, a
+# greedy row, a row that runs into a dead end, and an n = 2 group (rows 5 and 6: one prompt, keys
+# fold_in(k, i)).
 PROMPTS = [[3, 4, 5], [6], [7, 8, 9, 10, 11], [12, 13], [1, 2, 3, 4], [9, 9, 9], [9, 9, 9]]
 CONSTRAINTS = [structured.regex("[a-d]{1,3}", VOCAB), None, None, None, None, None, None]
 PARAMS = SamplingParams(
@@ -78,6 +79,19 @@ PARAMS = SamplingParams(
     bad_words=[None, None, [[8, 9]], None, None, None, None])
 
 
+def _user_processor(logits, context, bonus):
+  """A user logit processor reading its context: a per-row bonus for token 5, and a penalty
+  for the tokens the row has drawn."""
+  return logits.at[:, 5].add(bonus) - 0.05 * context.counts.astype(jnp.float32)
+
+
+BONUS = jnp.array([0.5, 0.0, 1.0, -1.0, 0.0, 2.0, 2.0], jnp.float32)
+
+
+def processors_of(rows):
+  return [jax.tree_util.Partial(_user_processor, bonus=BONUS[np.asarray(rows)])]
+
+
 def keys_of(seed=11):
   keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(seed), r))(jnp.arange(5))
   group = jax.vmap(lambda i: jax.random.fold_in(keys[4], i))(jnp.arange(1, 3))  # n = 2
@@ -99,7 +113,7 @@ def sampled():
                          positions=positions, eos_ids=[EOS], constraint=structured.stack(
                              CONSTRAINTS), prompt_tokens=jnp.where(
                                  jnp.arange(6)[None] < prompt_lengths[:, None], prompt_tokens,
-                                 -1), scores=True)
+                                 -1), scores=True, logits_processors=processors_of(rows))
   return dict(out=out, prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths)
 
 
@@ -112,7 +126,7 @@ def score_rows(sampled, rows, new_tokens=None):
                          out.tokens[rows] if new_tokens is None else new_tokens,
                          params=PARAMS.rows(rows), eos_ids=[EOS],
                          constraint=structured.stack([CONSTRAINTS[r] for r in rows]),
-                         key=keys_of()[rows])
+                         key=keys_of()[rows], logits_processors=processors_of(rows))
 
 
 def assert_same_bits(got, want):
@@ -199,6 +213,7 @@ def test_score_is_bitwise_decode_in_another_batch_of_another_size(sampled):
                            sampled["prompt_lengths"][rows], sampled["out"].tokens[rows],
                            params=params.replace(repetition_penalty=jnp.ones(len(rows))),
                            eos_ids=[EOS], key=keys_of()[rows],
+                           logits_processors=processors_of(rows),
                            constraint=structured.stack([CONSTRAINTS[r] for r in rows]))
   np.testing.assert_array_equal(forgot.raw, got.raw)
   assert float(jaxdecode.logprob_diff(want.processed, forgot.processed, mask).max_abs) > 0
@@ -214,7 +229,7 @@ def test_forced_decoding_replays_a_rollout_with_its_log_probs(sampled):
                      sampled["prompt_tokens"], -1)
   options = dict(key=keys_of(), params=PARAMS, max_new_tokens=N, positions=positions,
                  eos_ids=[EOS], constraint=structured.stack(CONSTRAINTS), prompt_tokens=prompt,
-                 scores=True)
+                 scores=True, logits_processors=processors_of(np.arange(len(PROMPTS))))
   replay = jaxdecode.decode(STEP, state, logits, forced_tokens=out.tokens, **options)
   for name in ("tokens", "logprobs", "lengths", "finished", "dead_end"):
     np.testing.assert_array_equal(getattr(replay, name), getattr(out, name), err_msg=name)
@@ -236,6 +251,7 @@ def test_speculative_rollouts_score_as_decode_does(sampled):
   spec = jaxdecode.speculative_decode(
       STEP, state, logits, key=keys_of(), params=PARAMS, max_new_tokens=N, positions=positions,
       eos_ids=[EOS], constraint=structured.stack(CONSTRAINTS), prompt_tokens=prompt,
+      logits_processors=processors_of(rows),
       drafter=jaxdecode.NgramDrafter(sampled["prompt_tokens"], sampled["prompt_lengths"]),
       num_draft_tokens=3, scores=True)
   np.testing.assert_array_equal(spec.tokens, sampled["out"].tokens)
@@ -332,7 +348,8 @@ def _fn(tokens, lengths):
     (lambda: jaxdecode.score(_fn, [[1]], [1], [[[1, 2]]]), "beam search's .B, R, N."),
     (lambda: jaxdecode.score(_fn, [[1]], [1], [[1], [2]]), r"new_tokens must have shape \(1, N\)"),
     (lambda: jaxdecode.score(_fn, [[1, 2]], [3], [[1]]), r"prompt_lengths must be in \[1, T = 2\]"),
-    (lambda: jaxdecode.score(_fn, [[1]], [1], [[7]]), r"new_tokens must hold token ids in \[0, 5\)"),
+    (lambda: jaxdecode.score(_fn, [[1]], [1], [[7]]),
+     r"new_tokens must hold token ids in \[0, 5\)"),
     (lambda: jaxdecode.score(lambda t, n: t, [[1]], [1], [[1]]), "must return floating logits"),
     (lambda: jaxdecode.score(_fn, [[1]], [1], [[1]], eos_ids=[9]), "eos_ids"),
     (lambda: jaxdecode.score(_fn, [[1]], [1], [[1]],
@@ -352,7 +369,8 @@ def test_decode_refuses_bad_forced_tokens_by_name():
                  positions=jnp.array([1]))
   with pytest.raises(ValueError, match=r"forced_tokens must be an integer array of shape \(1, 3\)"):
     jaxdecode.decode(step, {}, jnp.zeros((1, 5)), forced_tokens=[[1, 2]], **options)
-  with pytest.raises(ValueError, match=r"forced_tokens must hold token ids in \[0, 5\) .* got -1 at \[0, 1\]"):
+  with pytest.raises(ValueError,
+                     match=r"forced_tokens must hold token ids in \[0, 5\) .* got -1 at \[0, 1\]"):
     jaxdecode.decode(step, {}, jnp.zeros((1, 5)), forced_tokens=[[1, -1, 2]], **options)
   with pytest.raises(ValueError, match="scores must be"):
     jaxdecode.decode(step, {}, jnp.zeros((1, 5)), scores="yes", **options)
