@@ -207,7 +207,9 @@ def test_score_is_bitwise_decode_in_another_batch_of_another_size(sampled):
   assert float(diff.max_abs) == 0.0 and float(diff.k1) == 0.0 and float(diff.k3) == 0.0
   np.testing.assert_array_equal(diff.sequence_ratio, np.ones(len(rows), np.float32))
   # Negative control: the trainer forgetting row 0's repetition penalty keeps its raw bits and
-  # changes its processed log-probs (so the equality above is not vacuous).
+  # changes its processed log-probs (so the equality above is not vacuous). New values of the
+  # same shapes reuse the compiled program.
+  compiled = jaxdecode.trainer._score_jit._cache_size()  # pylint: disable=protected-access
   params = PARAMS.rows(rows)
   forgot = jaxdecode.score(sequence_logits, sampled["prompt_tokens"][rows],
                            sampled["prompt_lengths"][rows], sampled["out"].tokens[rows],
@@ -217,6 +219,7 @@ def test_score_is_bitwise_decode_in_another_batch_of_another_size(sampled):
                            constraint=structured.stack([CONSTRAINTS[r] for r in rows]))
   np.testing.assert_array_equal(forgot.raw, got.raw)
   assert float(jaxdecode.logprob_diff(want.processed, forgot.processed, mask).max_abs) > 0
+  assert jaxdecode.trainer._score_jit._cache_size() == compiled  # pylint: disable=protected-access
 
 
 @pytest.mark.slow
