@@ -235,9 +235,9 @@ def draw_scored(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.A
   With `forced` (int32[B]) the row's token is `forced[b]` instead of a draw: the same
   processing (same key, counts, history, automaton and mirostat state), and its log-probability
   read from the processed distribution, so a token `decode` drew gets bitwise its logprob
-  (`sampling.log_softmax` is `inverse_cdf`'s). `slope` (static): also compute the processed
-  logits' slope in the logits (a forward-mode pass of the chain) for the kinds' gradient
-  (`scoring.token_scores`); False gives zeros (nothing differentiates a draw).
+  (`sampling.log_softmax` is `inverse_cdf`'s). `slope` (static): give the kinds a gradient
+  for `processed` too (`scoring.token_scores` then differentiates the chain in the backward
+  pass, and only there); False: none (nothing differentiates a draw).
 
   Returns:
     `(tokens int32[B], logprobs float32[B], processed float32[B, V], kinds Scores of [B],
@@ -245,28 +245,26 @@ def draw_scored(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.A
     with or without `forced`).
   """
   keys = jax.vmap(jax.random.fold_in)(spec.row_keys, step)
-
-  def chain(z):
-    return process(spec, state, z, step, keys)
-
-  processed = chain(logits)
+  processed = process(spec, state, lax.stop_gradient(logits), step, keys)
   if forced is None:
     token, logprob = sampling.draw(keys, processed)
     selectable = ~jnp.isnan(logprob)
   else:
     token = forced.astype(jnp.int32)
     selectable = jnp.any(processed > -jnp.inf, axis=-1)
-  if slope:
-    z = lax.stop_gradient(logits).astype(jnp.float32)
-    tangent = jax.jvp(chain, (z,), (jnp.ones_like(z),))[1]
-    tangent = jnp.where(jnp.isfinite(tangent), tangent, 0.0)
-  else:
-    tangent = jnp.zeros(processed.shape, jnp.float32)
-  kinds = scoring.token_scores(logits, lax.stop_gradient(processed), tangent, token,
-                               spec.params.temperature)
+  kinds = scoring.token_scores(process_from if slope else None, logits, processed, token,
+                               spec.params.temperature,
+                               (spec, state.replace(model_state=None), step, keys))
   if forced is not None:
     logprob = jnp.where(selectable, kinds.processed, jnp.nan)
   return token, logprob, processed, kinds, selectable
+
+
+def process_from(inputs, logits: jax.Array) -> jax.Array:
+  """`process` with its other arguments in one pytree `(spec, state, step, keys)`: the chain
+  `scoring.token_scores` differentiates."""
+  spec, state, step, keys = inputs
+  return process(spec, state, logits, step, keys)
 
 
 def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Array,

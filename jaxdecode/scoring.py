@@ -25,7 +25,7 @@ set, a greedy row's argmax, a dynamic temperature's value) are constants, and th
 are differentiated: `d raw / dz = onehot(y) - softmax(z)`; `d tempered / dz = (onehot(y) -
 softmax(z / T)) / T`; `d processed / dz_i = s_i (onehot(y)_i - q_i)` for i kept (0 elsewhere),
 s_i the change of token i's processed logit when every logit rises by one (a forward-mode pass
-of the chain with a tangent of ones, `loop.draw_scored(slope=True)`): for the chain's
+of the chain with a tangent of ones, in the backward pass only): for the chain's
 elementwise maps that is dx_i / dz_i, i.e. 1 / T times the repetition penalty's factor (1 / r
 or r) where it acts (bias, presence, frequency and DRY add constants); a dynamic temperature
 depends on all logits but not on a uniform shift, so it is held at its value; a user processor
@@ -36,11 +36,13 @@ at T = 0) its gradient is 0.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from jaxdecode import _platform
 from jaxdecode import _reduce
 from jaxdecode import processors
 from jaxdecode import sampling
@@ -102,29 +104,47 @@ def _values(logits, processed, token, temperature):
   return Scores(raw, tempered, processed_lp, kept_logmass)
 
 
-@jax.custom_vjp
-def token_scores(logits: jax.Array, processed: jax.Array, slope: jax.Array, token: jax.Array,
-                 temperature: jax.Array) -> Scores:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def token_scores(chain: Callable | None, logits: jax.Array, processed: jax.Array,
+                 token: jax.Array, temperature: jax.Array, chain_inputs: Any = None) -> Scores:
   """The four kinds of each row's `token` (`Scores` of float32[B]).
 
   Args:
+    chain: `chain(chain_inputs, logits float32[B, V]) -> processed logits`, the processing
+      that made `processed` (static: a module-level function, e.g. `loop.process_from`), or
+      None. Only the gradient calls it: a forward-mode pass with a tangent of ones gives the
+      slope s of `processed` (module docstring), so the program of an undifferentiated call
+      holds nothing of it. None: `processed` gets no gradient (a loop that only draws).
     logits: [B, V] the model's logits of the step (any float dtype).
     processed: float32[B, V] the processed logits the token's distribution is (`loop.process`).
-    slope: float32[B, V] each processed logit's change for a uniform shift of the logits, the
-      chain's decisions held (only the gradient reads it; `loop.draw_scored(slope=True)`).
     token: int32[B].
     temperature: float32[B] each row's temperature (params.temperature, not a dynamic one).
+    chain_inputs: the pytree `chain` reads besides the logits (not differentiated).
   """
+  del chain, chain_inputs
   return _values(logits, processed, token, temperature)
 
 
-def _fwd(logits, processed, slope, token, temperature):
+def _fwd(chain, logits, processed, token, temperature, chain_inputs):
+  del chain
   out = _values(logits, processed, token, temperature)
-  return out, (logits, processed, slope, token, temperature, out)
+  return out, (logits, processed, token, temperature, chain_inputs, out)
 
 
-def _bwd(residuals, cotangent):
-  logits, processed, slope, token, temperature, out = residuals
+def _slope(chain, chain_inputs, logits, processed):
+  """float32[B, V]: each processed logit's change when every logit rises by one."""
+  if chain is None:
+    return jnp.zeros(processed.shape, jnp.float32)
+  def slope(z):
+    return jax.jvp(lambda z: chain(chain_inputs, z), (z,), (jnp.ones_like(z),))[1]
+
+  # One formulation per platform, as the forward's (the backward is traced outside it).
+  tangent = _platform.by_platform(slope, logits.astype(jnp.float32))
+  return jnp.where(jnp.isfinite(tangent), tangent, 0.0)
+
+
+def _bwd(chain, residuals, cotangent):
+  logits, processed, token, temperature, chain_inputs, out = residuals
   vocab = logits.shape[-1]
   onehot = jax.nn.one_hot(token, vocab, dtype=jnp.float32)
   base = processors.prepare(logits)
@@ -142,10 +162,11 @@ def _bwd(residuals, cotangent):
   grad += weight(out.kept_logmass, cotangent.kept_logmass) * (
       _probs(jnp.where(kept, scaled, -jnp.inf)) - tempered) / t
   q = _probs(processed)
+  slope = _slope(chain, chain_inputs, logits, processed)
   d_processed = jnp.where(kept, slope * (onehot - q), 0.0)
   grad += weight(out.processed, jnp.where(greedy, 0.0, cotangent.processed)) * d_processed
   grad = jnp.where(jnp.isfinite(grad), grad, 0.0).astype(logits.dtype)
-  return grad, jnp.zeros_like(processed), jnp.zeros_like(slope), None, jnp.zeros_like(temperature)
+  return grad, jnp.zeros_like(processed), None, jnp.zeros_like(temperature), None
 
 
 token_scores.defvjp(_fwd, _bwd)

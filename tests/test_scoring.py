@@ -272,8 +272,8 @@ def test_token_kinds_against_hand_computed_values():
   z = jnp.log(jnp.asarray([p, p], jnp.float32))
   processed = jnp.where(jnp.arange(4)[None] < 2, z / 0.5, -jnp.inf)
   processed = processed.at[1].set(jnp.array([-jnp.inf, 0.0, -jnp.inf, -jnp.inf]))  # greedy
-  got = jax.jit(scoring.token_scores)(z, processed, jnp.zeros_like(z), jnp.array([1, 1]),
-                                      jnp.array([0.5, 0.0]))
+  got = jax.jit(lambda *a: scoring.token_scores(None, *a))(z, processed, jnp.array([1, 1]),
+                                                          jnp.array([0.5, 0.0]))
   q = p ** 2
   np.testing.assert_allclose(got.raw, [math.log(0.3)] * 2, rtol=1e-6)
   np.testing.assert_allclose(got.tempered[0], math.log(q[1] / q.sum()), rtol=1e-6)
@@ -283,9 +283,17 @@ def test_token_kinds_against_hand_computed_values():
   assert float(got.processed[1]) == 0.0  # the greedy token is certain
 
 
+def _penalized_top2(inputs, z):
+  """A stand-in chain: top-2 kept, the first token's logit divided by a repetition penalty,
+  then the temperature (inputs: kept bool[V], scale float32[V], T)."""
+  kept, scale, t = inputs
+  return jnp.where(kept[None], z * scale[None] / t, -jnp.inf)
+
+
 def test_kinds_gradients_equal_the_derivatives_of_their_formulas():
   """Each kind's gradient in the logits against jax.grad of its closed form on the kept set
-  (T = 0.5, top-k 2, a repetition penalty 1.25 on token 0: slope 1 / (T · 1.25) there)."""
+  (T = 0.5, top-k 2, a repetition penalty 1.25 on token 0: slope 1 / (T · 1.25) there, which
+  the backward finds by differentiating the chain along a uniform shift)."""
   z = jnp.array([[1.0, 0.4, -0.3, 0.2]], jnp.float32)
   t, r = 0.5, 1.25
   scale = jnp.array([1 / r, 1.0, 1.0, 1.0])
@@ -299,12 +307,12 @@ def test_kinds_gradients_equal_the_derivatives_of_their_formulas():
         z[0] / t)
     return raw, tempered, processed, kept_mass
 
-  processed_logits = jnp.where(kept[None], z * scale[None] / t, -jnp.inf)
-  slope = jnp.broadcast_to(scale / t, z.shape)
+  inputs = (kept, scale, jnp.float32(t))
+  processed_logits = _penalized_top2(inputs, z)
 
   def kinds(z, temperature):
-    return jnp.stack(scoring.token_scores(z, processed_logits, slope, jnp.array([1]),
-                                          temperature))[:, 0]
+    return jnp.stack(scoring.token_scores(_penalized_top2, z, processed_logits, jnp.array([1]),
+                                          temperature, inputs))[:, 0]
 
   got = jax.jit(jax.jacrev(kinds))(z, jnp.array([t]))  # [4 kinds, 1, V]
   want = jax.jit(jax.jacrev(lambda z: jnp.stack(closed(z))))(z)
