@@ -470,3 +470,22 @@ def test_score_under_value_and_grad_keeps_the_bits_and_gives_the_plain_gradient(
   for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
     assert np.all(np.isfinite(g))
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-4 * max(1.0, float(np.abs(w).max())))
+
+
+@pytest.mark.slow
+def test_generate_replays_forced_tokens_with_their_kinds(transformer_rollout):
+  """generate(forced_tokens=a rollout) under another seed emits that rollout, with its texts
+  and, bit for bit, its log-probabilities of each kind (no rule here reads the key)."""
+  from jaxdecode import models
+  r = transformer_rollout
+  gen = r["gen"]
+  replay = models.generate(["def f(x):", "ab"], model=r["model"], params=r["params"].rows(
+      np.array([0, 2])), n=2, max_new_tokens=6, seed=9, logprob_kinds=True,
+                           forced_tokens=gen.tokens)
+  assert replay.texts == gen.texts
+  np.testing.assert_array_equal(replay.tokens, gen.tokens)
+  assert_same_bits(replay.logprob_kinds, gen.logprob_kinds)
+  with pytest.raises(ValueError, match=r"generate: forced_tokens must be an integer array of "
+                                       r"shape \(4, 6\)"):
+    models.generate(["def f(x):", "ab"], model=r["model"], n=2, max_new_tokens=6,
+                    forced_tokens=gen.tokens[:2])

@@ -14,7 +14,7 @@ from flax import nnx
 from jaxdecode import _checks
 from jaxdecode import structured
 from jaxdecode.beam import beam_search
-from jaxdecode.decoding import decode
+from jaxdecode.decoding import check_forced_tokens, decode
 from jaxdecode.models import extras
 from jaxdecode.models.checkpoint import load_default
 from jaxdecode.models.tokenizer import ByteTokenizer
@@ -127,7 +127,8 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
              num_draft_tokens: int = 4, stop=None, include_stop: bool = False, n: int = 1,
              top_logprobs: int = 0, logprobs_mode: str = "processed",
              prompt_logprobs: bool = False, regex=None, json_schema=None,
-             choices=None, constraint=None, logprob_kinds: bool = False) -> Generation:
+             choices=None, constraint=None, logprob_kinds: bool = False,
+             forced_tokens=None) -> Generation:
   """Continues each text prompt; all prompts run as one batch.
 
   Args:
@@ -186,6 +187,10 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
     logprob_kinds: whether to return every log-probability kind of each token
       (`Generation.logprob_kinds`: raw, tempered, processed, kept_logmass), for an RL trainer
       that scores the same tokens with `jaxdecode.score`. Not with `beam_size`.
+    forced_tokens: `int[B, max_new_tokens]` (B = prompts · n rows), tokens to emit instead of
+      sampling them (`decode(forced_tokens=...)`: replaying a rollout, e.g. another sampler's,
+      to get its log-probabilities of each kind here); a row still ends at EOS. Not with
+      `beam_size` or `draft`.
 
   Returns:
     A `Generation`. The same key, prompts and params give the same texts (with or without a
@@ -205,6 +210,15 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
     raise ValueError(f"logprob_kinds does not apply to beam search (beam_size={beam_size}): a "
                      f"beam is chosen by its joint score, not sampled, so it has no sampling "
                      f"log-probability of each kind")
+  if forced_tokens is not None and (beam_size is not None or draft is not None):
+    raise ValueError("forced_tokens replays tokens through decode: not with beam_size or draft "
+                     "(give the tokens alone: the replay needs no draft, and a beam is not "
+                     "sampled)")
+  if forced_tokens is not None:  # its shape and ids, before the prompts are prefilled
+    rows = len(_checks.text_prompts(prompts)) * _checks.integer("n", n, low=1)
+    vocab = model.config.vocab_size if model is not None else ByteTokenizer.vocab_size
+    forced_tokens = check_forced_tokens(forced_tokens, rows, _checks.integer(
+        "max_new_tokens", max_new_tokens, low=1), vocab, "generate")
   batch = prepare(prompts, model=model, params=params, seed=seed, key=key,
                   max_new_tokens=max_new_tokens, tokenizer=tokenizer,
                   penalize_prompt=penalize_prompt, beam_size=beam_size, draft=draft,
@@ -227,7 +241,7 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
   if draft is None:
     out = decode(step_fn_for(batch.graphdef), batch.state, batch.logits, **options,
                  top_logprobs=batch.top_logprobs, logprobs_mode=batch.logprobs_mode,
-                 scores=logprob_kinds)
+                 scores=logprob_kinds, forced_tokens=forced_tokens)
   else:
     out = speculative_decode(step_fn_for(batch.graphdef), batch.state, batch.logits, **options,
                              drafter=_drafter(draft, batch), num_draft_tokens=num_draft_tokens,
