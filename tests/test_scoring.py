@@ -489,3 +489,10 @@ def test_generate_replays_forced_tokens_with_their_kinds(transformer_rollout):
                                        r"shape \(4, 6\)"):
     models.generate(["def f(x):", "ab"], model=r["model"], n=2, max_new_tokens=6,
                     forced_tokens=gen.tokens[:2])
+
+
+def test_stream_refuses_the_kinds_and_forced_tokens_by_name():
+  from jaxdecode import models
+  for name, value in (("logprob_kinds", True), ("forced_tokens", [[1]])):
+    with pytest.raises(ValueError, match=f"stream does not support {name}; use generate"):
+      models.stream(["a"], **{name: value})
