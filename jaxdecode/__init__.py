@@ -26,11 +26,15 @@ from jaxdecode.sampling import greedy
 from jaxdecode.sampling import sample
 from jaxdecode.sampling import sample_with_logprobs
 from jaxdecode.sampling import selectable
+from jaxdecode.scoring import Scores
 from jaxdecode.speculative import DraftContext
 from jaxdecode.speculative import ModelDrafter
 from jaxdecode.speculative import NgramDrafter
 from jaxdecode.speculative import SpeculativeOutput
 from jaxdecode.speculative import speculative_decode
+from jaxdecode.trainer import LogprobDiff
+from jaxdecode.trainer import logprob_diff
+from jaxdecode.trainer import score
 
 __version__ = "0.2.0"
 
@@ -49,6 +53,8 @@ __all__ = [
     "decode",
     "greedy",
     "left_pad",
+    "logprob_diff",
+    "LogprobDiff",
     "metrics",
     "process_logits",
     "processors",
@@ -56,6 +62,8 @@ __all__ = [
     "prompt_positions",
     "right_pad",
     "sample",
+    "Scores",
+    "score",
     "sample_with_logprobs",
     "selectable",
     "speculative_decode",

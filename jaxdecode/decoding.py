@@ -46,6 +46,10 @@ class DecodeOutput:
       row's end. None otherwise.
     top_logprobs: with `top_logprobs=K`, float32[B, N, K], their log-probabilities (-inf for
       tokens the processors removed, 0 after a row's end); None otherwise.
+    scores: with `scores=True`, a `jaxdecode.Scores` of float32[B, N]: each token's raw,
+      tempered and processed log-probability and the log of the tempered mass its processed
+      distribution kept (0 where `tokens` has no token; `jaxdecode.scoring` defines them);
+      None otherwise.
   """
 
   tokens: jax.Array
@@ -57,6 +61,7 @@ class DecodeOutput:
   dead_end: jax.Array = dataclasses.field(kw_only=True)
   top_tokens: Any = dataclasses.field(default=None, kw_only=True)
   top_logprobs: Any = dataclasses.field(default=None, kw_only=True)
+  scores: Any = dataclasses.field(default=None, kw_only=True)
 
 
 @jax.tree_util.register_dataclass
@@ -182,30 +187,40 @@ def _record_top(s: loop.LoopState, top: TopState, ids, values, selectable) -> To
 
 
 def draw_and_record(spec: loop.LoopSpec, s: loop.LoopState, top: TopState | None, logits, step,
-                    *, top_logprobs: int = 0, logprobs_mode: str = "processed"):
+                    *, top_logprobs: int = 0, logprobs_mode: str = "processed", forced=None):
   """One step of `decode` after the model call: draw, score, record. Returns `(s, top)`.
 
-  With the defaults (no lists, processed log-probabilities) this is `loop.draw` then
-  `loop.record`, exactly; `top` is None then.
+  With the defaults (no lists, processed log-probabilities, no kinds, no forced tokens) this is
+  `loop.draw` then `loop.record`, exactly; `top` is None then. `forced`: int32[B, N], the
+  tokens to emit instead of drawing (column `step[b]` of row b).
   """
-  if top_logprobs == 0 and logprobs_mode == "processed":
+  kinds = None
+  if top_logprobs == 0 and logprobs_mode == "processed" and s.scores is None and forced is None:
     token, logprob = loop.draw(spec, s, logits, step)
     return loop.record(spec, s, token, logprob), top
-  token, logprob, processed = loop.draw_processed(spec, s, logits, step)
-  selectable = ~jnp.isnan(logprob)  # the processed log-probability marks a dead end
+  if s.scores is None and forced is None:
+    token, logprob, processed = loop.draw_processed(spec, s, logits, step)
+    selectable = ~jnp.isnan(logprob)  # the processed log-probability marks a dead end
+  else:
+    column = jnp.minimum(step, forced.shape[1] - 1)[:, None] if forced is not None else None
+    token, logprob, processed, kinds, selectable = loop.draw_scored(
+        spec, s, logits, step,
+        None if forced is None else jnp.take_along_axis(forced, column, axis=1)[:, 0])
   drawn = logprob  # mirostat's surprise is the processed one, whatever logprobs_mode reports
-  logprob, ids, values = score(logits, processed, token, logprob, top_logprobs=top_logprobs,
-                               logprobs_mode=logprobs_mode)
-  if top is not None:
-    top = _record_top(s, top, ids, values, selectable)
-  return loop.record(spec, s, token, logprob, selectable=selectable, drawn_logprob=drawn), top
+  if top_logprobs or logprobs_mode != "processed":
+    logprob, ids, values = score(logits, processed, token, logprob, top_logprobs=top_logprobs,
+                                 logprobs_mode=logprobs_mode)
+    if top is not None:
+      top = _record_top(s, top, ids, values, selectable)
+  return loop.record(spec, s, token, logprob, selectable=selectable, drawn_logprob=drawn,
+                     kinds=kinds), top
 
 
 def start(spec: loop.LoopSpec, model_state, logits, counts, max_new_tokens: int, *,
-          top_logprobs: int = 0):
+          top_logprobs: int = 0, scores: bool = False):
   """The loop's carry before step 0: `(LoopState, TopState | None, float32 logits [B, V])`,
   the logits being the prefill's, which step 0 draws from (see `make_advance`)."""
-  s = loop.init_state(spec, model_state, counts, max_new_tokens)
+  s = loop.init_state(spec, model_state, counts, max_new_tokens, scores=scores)
   top = None
   if top_logprobs:
     batch = logits.shape[0]
@@ -217,7 +232,7 @@ def start(spec: loop.LoopSpec, model_state, logits, counts, max_new_tokens: int,
 
 
 def make_advance(step_fn, spec: loop.LoopSpec, *, top_logprobs: int = 0,
-                 logprobs_mode: str = "processed"):
+                 logprobs_mode: str = "processed", forced=None):
   """`advance((s, top, logits), t) -> (s, top, logits)`: step t of `decode` (shared by `decode`
   and `jaxdecode.models.stream`). For t >= 1 token t - 1 is fed to `step_fn` and its logits
   replace the carried ones; step 0 draws from the carried prefill logits. On CPU and TPU no
@@ -239,7 +254,8 @@ def make_advance(step_fn, spec: loop.LoopSpec, *, top_logprobs: int = 0,
                                             lambda m: (logits, m), s.model_state)
     s = s.replace(model_state=model_state)
     s, top = draw_and_record(spec, s, top, logits, jnp.full(s.last.shape, t, jnp.int32),
-                             top_logprobs=top_logprobs, logprobs_mode=logprobs_mode)
+                             top_logprobs=top_logprobs, logprobs_mode=logprobs_mode,
+                             forced=forced)
     return s, top, logits
 
   return advance
@@ -251,20 +267,24 @@ def output(carry) -> DecodeOutput:
   return DecodeOutput(s.tokens, s.logprobs, s.lengths, s.finished, s.model_state,
                       dead_end=s.dead_end,
                       top_tokens=None if top is None else top.tokens,
-                      top_logprobs=None if top is None else top.logprobs)
+                      top_logprobs=None if top is None else top.logprobs,
+                      scores=s.scores)
 
 
 def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, counts,
-            logits_processors, constraint, prompt_tokens=None, *, max_new_tokens: int,
-            chunk_size: int, top_logprobs: int = 0, logprobs_mode: str = "processed"):
+            logits_processors, constraint, prompt_tokens=None, forced=None, *,
+            max_new_tokens: int, chunk_size: int, top_logprobs: int = 0,
+            logprobs_mode: str = "processed", scores: bool = False):
   batch, vocab = logits.shape
   spec = make_spec(key, params, positions, eos_ids, pad_id, logits_processors, batch=batch,
                    vocab=vocab, constraint=constraint, prompt_tokens=prompt_tokens)
   check_step_output(jax.eval_shape(step_fn, state, jnp.zeros(batch, jnp.int32), positions),
                     state, (batch, vocab))
   loop.check_processors(spec, batch, vocab, max_new_tokens)
-  carry = start(spec, state, logits, counts, max_new_tokens, top_logprobs=top_logprobs)
-  advance = make_advance(step_fn, spec, top_logprobs=top_logprobs, logprobs_mode=logprobs_mode)
+  carry = start(spec, state, logits, counts, max_new_tokens, top_logprobs=top_logprobs,
+                scores=scores)
+  advance = make_advance(step_fn, spec, top_logprobs=top_logprobs, logprobs_mode=logprobs_mode,
+                         forced=forced)
   carry = _platform.by_platform(
       lambda carry: loop.run_from_prefill(advance, carry, rounds=max_new_tokens,
                                           chunk=chunk_size, done=lambda c: loop.all_done(c[0])),
@@ -273,7 +293,7 @@ def _decode(step_fn, state, logits, key, params, positions, eos_ids, pad_id, cou
 
 
 _decode_jit = jax.jit(_decode, static_argnames=("step_fn", "max_new_tokens", "chunk_size",
-                                                "top_logprobs", "logprobs_mode"))
+                                                "top_logprobs", "logprobs_mode", "scores"))
 
 
 def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: SamplingParams,
@@ -281,7 +301,7 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
            pad_id: int = 0, counts=None, chunk_size: int = 16,
            logits_processors: Sequence[Callable] | None = None, top_logprobs: int = 0,
            logprobs_mode: str = "processed", constraint=None,
-           prompt_tokens=None) -> DecodeOutput:
+           prompt_tokens=None, scores: bool = False, forced_tokens=None) -> DecodeOutput:
   """Generates up to `max_new_tokens` tokens per row with `lax.scan` over a model step function.
 
   Args:
@@ -332,6 +352,17 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
       for the rules that read a row's history (`no_repeat_ngram_size`, DRY, `bad_words`): they see
       the prompt and then the new tokens, as transformers does. None: the new tokens alone.
       Traced (new prompts of the same width do not recompile).
+    scores: True (static) to also return every log-probability kind of each token
+      (`DecodeOutput.scores`, a `jaxdecode.Scores`: raw, tempered, processed, kept_logmass;
+      `jaxdecode.scoring` defines them). False (the default) computes none of them and leaves
+      the program as it was. `jaxdecode.score` recomputes them from one forward pass, bitwise.
+    forced_tokens: `int[B, N]` (N = max_new_tokens), tokens to emit instead of drawing them
+      (forced decoding: replaying a rollout): step t of row b emits `forced_tokens[b, t]`, with
+      the same processing as a draw (keys, counts, history, constraint, mirostat state), and its
+      log-probabilities are those of that token, of each kind (with `scores=True`). A row still
+      ends at an EOS id, at a step with nothing selectable (a dead end) or after N tokens; a
+      forced token the processors removed gets processed log-probability -inf. Ids must be in
+      [0, V) (pad after a row's end with `pad_id`). Traced. None: draw.
 
   Returns:
     A `DecodeOutput`. Every traced input (state, logits, key, params, positions, eos_ids,
@@ -372,8 +403,31 @@ def decode(step_fn: Callable, state: Any, logits: jax.Array, *, key, params: Sam
   constraint = structured.check(constraint, batch, vocab, "decode", params, eos_ids=eos_ids)
   check_fits(step_fn, state, positions, max_new_tokens, "decode")
   prompt_tokens = check_prompt_tokens(prompt_tokens, batch, "decode")
+  scores = _checks.boolean("scores", scores)
+  forced_tokens = check_forced_tokens(forced_tokens, batch, max_new_tokens, vocab, "decode")
   return _decode_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad, counts,
                      loop.as_processors(logits_processors), constraint, prompt_tokens,
-                     max_new_tokens=max_new_tokens,
+                     forced_tokens, max_new_tokens=max_new_tokens,
                      chunk_size=chunk_size, top_logprobs=top_logprobs,
-                     logprobs_mode=logprobs_mode)
+                     logprobs_mode=logprobs_mode, scores=scores)
+
+
+def check_forced_tokens(tokens, batch: int, steps: int, vocab: int, caller: str,
+                        name: str = "forced_tokens"):
+  """None, or the tokens as an int32 array [B, N], every id in [0, V) (checked when concrete)."""
+  if tokens is None:
+    return None
+  tokens = _checks.array(name, tokens, "an integer array [B, N]")
+  if jnp.shape(tokens) != (batch, steps) or \
+      not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+    raise ValueError(f"{caller}: {name} must be an integer array of shape ({batch}, {steps}) "
+                     f"(one row per row of the batch, max_new_tokens columns); got shape "
+                     f"{jnp.shape(tokens)} and dtype {jnp.result_type(tokens)}")
+  if not _checks.is_traced(tokens):
+    values = np.asarray(tokens)
+    bad = (values < 0) | (values >= vocab)
+    if bad.any():
+      row, column = map(int, np.argwhere(bad)[0])
+      raise ValueError(f"{caller}: {name} must hold token ids in [0, {vocab}) (pad a row's end "
+                       f"with pad_id); got {int(values[row, column])} at [{row}, {column}]")
+  return jnp.asarray(tokens, jnp.int32)

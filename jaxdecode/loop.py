@@ -31,6 +31,7 @@ from jax import lax
 from jaxdecode import _platform
 from jaxdecode import processors
 from jaxdecode import sampling
+from jaxdecode import scoring
 from jaxdecode import structured
 from jaxdecode.params import SamplingParams
 
@@ -123,6 +124,8 @@ class LoopState:
     automaton: int32[B], each row's state in `spec.constraint`'s automaton (0 without one).
     mirostat_mu: float32[B], each row's mirostat state mu (2·mirostat_tau at the start; it
       changes only in rows with mirostat == 2).
+    scores: a `jaxdecode.scoring.Scores` of float32[B, N] buffers, every log-probability kind
+      of each recorded token (0 elsewhere), or None: not asked for, nothing computed.
   """
   model_state: Any
   last: jax.Array
@@ -134,6 +137,7 @@ class LoopState:
   dead_end: jax.Array
   automaton: jax.Array
   mirostat_mu: jax.Array
+  scores: Any = None
 
   def replace(self, **changes) -> "LoopState":
     return dataclasses.replace(self, **changes)
@@ -155,8 +159,10 @@ def checked_pad_id(pad_id: jax.Array, vocab: int) -> jax.Array:
   return jnp.where((pad_id >= 0) & (pad_id < vocab), pad_id, 0)
 
 
-def init_state(spec: LoopSpec, model_state, counts: jax.Array, max_new_tokens: int) -> LoopState:
-  """The state before the first token: empty buffers (pad_id, 0), nothing finished."""
+def init_state(spec: LoopSpec, model_state, counts: jax.Array, max_new_tokens: int, *,
+               scores: bool = False) -> LoopState:
+  """The state before the first token: empty buffers (pad_id, 0), nothing finished; with
+  `scores` (static) a buffer per log-probability kind (`jaxdecode.scoring`)."""
   batch = spec.positions.shape[0]
   return LoopState(model_state=model_state,
                    last=jnp.full((batch,), spec.pad_id, jnp.int32),
@@ -168,7 +174,8 @@ def init_state(spec: LoopSpec, model_state, counts: jax.Array, max_new_tokens: i
                    automaton=(jnp.zeros((batch,), jnp.int32) if spec.constraint is None
                               else spec.constraint.initial),
                    mirostat_mu=jnp.broadcast_to(2.0 * spec.params.mirostat_tau,
-                                                (batch,)).astype(jnp.float32))
+                                                (batch,)).astype(jnp.float32),
+                   scores=scoring.empty(batch, max_new_tokens) if scores else None)
 
 
 def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array,
@@ -221,9 +228,49 @@ def draw_processed(spec: LoopSpec, state: LoopState, logits: jax.Array, step: ja
   return token, logprob, processed
 
 
+def draw_scored(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array,
+                forced: jax.Array | None = None, *, slope: bool = False):
+  """`draw_processed` with every log-probability kind of the token (`jaxdecode.scoring`).
+
+  With `forced` (int32[B]) the row's token is `forced[b]` instead of a draw: the same
+  processing (same key, counts, history, automaton and mirostat state), and its log-probability
+  read from the processed distribution, so a token `decode` drew gets bitwise its logprob
+  (`sampling.log_softmax` is `inverse_cdf`'s). `slope` (static): give the kinds a gradient
+  for `processed` too (`scoring.token_scores` then differentiates the chain in the backward
+  pass, and only there); False: none (nothing differentiates a draw).
+
+  Returns:
+    `(tokens int32[B], logprobs float32[B], processed float32[B, V], kinds Scores of [B],
+    selectable bool[B])`; `logprobs` are the processed ones (NaN where nothing is selectable,
+    with or without `forced`).
+  """
+  keys = jax.vmap(jax.random.fold_in)(spec.row_keys, step)
+  processed = process(spec, state, lax.stop_gradient(logits), step, keys)
+  if forced is None:
+    token, logprob = sampling.draw(keys, processed)
+    selectable = ~jnp.isnan(logprob)
+  else:
+    token = forced.astype(jnp.int32)
+    selectable = jnp.any(processed > -jnp.inf, axis=-1)
+  kinds = scoring.token_scores(process_from if slope else None, logits, processed, token,
+                               spec.params.temperature,
+                               (spec, state.replace(model_state=None), step, keys))
+  if forced is not None:
+    logprob = jnp.where(selectable, kinds.processed, jnp.nan)
+  return token, logprob, processed, kinds, selectable
+
+
+def process_from(inputs, logits: jax.Array) -> jax.Array:
+  """`process` with its other arguments in one pytree `(spec, state, step, keys)`: the chain
+  `scoring.token_scores` differentiates."""
+  spec, state, step, keys = inputs
+  return process(spec, state, logits, step, keys)
+
+
 def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Array,
            live: jax.Array | None = None, selectable: jax.Array | None = None,
-           drawn_logprob: jax.Array | None = None) -> LoopState:
+           drawn_logprob: jax.Array | None = None,
+           kinds: scoring.Scores | None = None) -> LoopState:
   """Appends `token[b]` (with `logprob[b]`) to every row b that is `live` (default: `state.live`).
 
   The token goes to column `lengths[b]` and becomes the row's `last`; the row's count of it grows
@@ -232,7 +279,8 @@ def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Arra
   is set and its length does not count the step. Rows not recorded keep their buffers; a
   finished or dead-ended row's `last` is pad_id (what the model is fed for it from then on).
   A recorded row with mirostat updates its mu from `drawn_logprob` (default `logprob`), the
-  token's log-probability under the distribution it was drawn from.
+  token's log-probability under the distribution it was drawn from. `kinds` (a `Scores` of
+  float32[B]) go to `state.scores` at the token's column, when the state carries them.
   """
   recorded = state.live if live is None else live & state.live
   selectable = ~jnp.isnan(logprob) if selectable is None else selectable
@@ -241,7 +289,12 @@ def record(spec: LoopSpec, state: LoopState, token: jax.Array, logprob: jax.Arra
   rows = jnp.arange(token.shape[0], dtype=jnp.int32)
   column = jnp.where(recorded, state.lengths, state.tokens.shape[1])  # N: dropped
   finished = state.finished | (recorded & spec.is_eos[token])
+  scores = state.scores
+  if scores is not None and kinds is not None:
+    scores = scoring.Scores(*(buffer.at[rows, column].set(value, mode="drop")
+                              for buffer, value in zip(scores, kinds)))
   return state.replace(
+      scores=scores,
       last=jnp.where(recorded, token, jnp.where(finished | dead_end, spec.pad_id, state.last)),
       tokens=state.tokens.at[rows, column].set(token, mode="drop"),
       logprobs=state.logprobs.at[rows, column].set(logprob, mode="drop"),

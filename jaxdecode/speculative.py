@@ -186,7 +186,8 @@ class ModelDrafter:
 
 def _speculative(step_fn, state, logits, key, params, positions, eos_ids, pad_id, counts,
                  logits_processors, drafter, constraint, prompt_tokens=None, *,
-                 max_new_tokens: int, num_draft_tokens: int, chunk_size: int):
+                 max_new_tokens: int, num_draft_tokens: int, chunk_size: int,
+                 scores: bool = False):
   batch, vocab = logits.shape
   k = num_draft_tokens
   spec = make_spec(key, params, positions, eos_ids, pad_id, logits_processors, batch=batch,
@@ -229,9 +230,13 @@ def _speculative(step_fn, state, logits, key, params, positions, eos_ids, pad_id
     # (`jaxdecode._platform`), and jax caches a traced body by the function's identity.
     def verify(carry, j):
       s, in_run, accepted, logits, drafts = carry
-      token, logprob = loop.draw(spec, s, logits[:, j], s.lengths)
+      kinds = None
+      if s.scores is None:
+        token, logprob = loop.draw(spec, s, logits[:, j], s.lengths)
+      else:  # decode(scores=True)'s step: the same draw, with every kind of the token
+        token, logprob, _, kinds, _ = loop.draw_scored(spec, s, logits[:, j], s.lengths)
       recorded = in_run & s.live & ~jnp.isnan(logprob)  # NaN: nothing selectable, a dead end
-      s = loop.record(spec, s, token, logprob, in_run)
+      s = loop.record(spec, s, token, logprob, in_run, kinds=kinds)
       draft = drafts[:, jnp.minimum(j, k - 1)]
       match = (j < k) & (token == draft)
       return (s, in_run & match, accepted + (recorded & match), logits, drafts), None
@@ -242,7 +247,7 @@ def _speculative(step_fn, state, logits, key, params, positions, eos_ids, pad_id
 
   # float32 is exact for every float dtype the chain takes: it begins by casting to float32.
   prefill_logits = logits.astype(jnp.float32)
-  s = loop.init_state(spec, state, counts, max_new_tokens)
+  s = loop.init_state(spec, state, counts, max_new_tokens, scores=scores)
   zeros = jnp.zeros((batch,), jnp.int32)
   carry = (s, drafter, zeros, zeros, jnp.int32(0))
   s, _, accepted, drafted, calls = _platform.by_platform(
@@ -250,11 +255,11 @@ def _speculative(step_fn, state, logits, key, params, positions, eos_ids, pad_id
                                           chunk=chunk_size, done=lambda c: loop.all_done(c[0])),
       carry)
   return SpeculativeOutput(s.tokens, s.logprobs, s.lengths, s.finished, s.model_state,
-                           accepted, drafted, calls, dead_end=s.dead_end)
+                           accepted, drafted, calls, dead_end=s.dead_end, scores=s.scores)
 
 
 _speculative_jit = jax.jit(_speculative, static_argnames=(
-    "step_fn", "max_new_tokens", "num_draft_tokens", "chunk_size"))
+    "step_fn", "max_new_tokens", "num_draft_tokens", "chunk_size", "scores"))
 
 
 def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
@@ -262,7 +267,8 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
                        drafter, num_draft_tokens: int = 4, eos_ids: Sequence[int] = (),
                        pad_id: int = 0, counts=None, chunk_size: int = 4,
                        logits_processors: Sequence[Callable] | None = None,
-                       constraint=None, prompt_tokens=None) -> SpeculativeOutput:
+                       constraint=None, prompt_tokens=None,
+                       scores: bool = False) -> SpeculativeOutput:
   """`decode`, with K drafted tokens verified per model call: the same tokens, fewer calls.
 
   Args:
@@ -271,7 +277,7 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
       positions `positions[b] + j`; it must give bitwise the logits of K + 1 single steps (the
       embedded transformer's step does) for the output to equal `decode`'s. Static.
     state, logits, key, params, max_new_tokens, positions, eos_ids, pad_id, counts,
-    logits_processors, constraint, prompt_tokens: as in `decode` (drafts are verified under
+    logits_processors, constraint, prompt_tokens, scores: as in `decode` (drafts are verified under
       the constraint: a draft token the automaton does not allow is never accepted, so the
       output is the constrained `decode`'s).
     drafter: a pytree with `propose(context: DraftContext, num_draft_tokens) -> (drafts
@@ -304,8 +310,9 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
                                 eos_ids=eos_ids)
   check_fits(step_fn, state, positions, max_new_tokens, "speculative_decode")
   prompt_tokens = check_prompt_tokens(prompt_tokens, batch, "speculative_decode")
+  scores = _checks.boolean("scores", scores)
   return _speculative_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad,
                           counts, loop.as_processors(logits_processors), drafter, constraint,
                           prompt_tokens,
                           max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
-                          chunk_size=chunk_size)
+                          chunk_size=chunk_size, scores=scores)

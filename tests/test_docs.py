@@ -6,11 +6,12 @@ import importlib
 import pytest
 
 import jaxdecode
-from jaxdecode import _checks, beam, decoding, params, processors, prompts, sampling, structured
+from jaxdecode import (_checks, beam, decoding, params, processors, prompts, sampling, structured,
+                       trainer)
 from jaxdecode.models import extras, tokenizer, transformer
 
 MODULES = [_checks, beam, decoding, extras, params, processors, prompts, sampling, structured,
-           tokenizer, transformer,
+           tokenizer, trainer, transformer,
            # The module, not the function `jaxdecode.batch_invariant` exported under its name.
            importlib.import_module("jaxdecode.batch_invariant")]
 

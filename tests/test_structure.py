@@ -81,6 +81,22 @@ def test_the_sampling_chain_leaves_no_sum_to_the_backend(platform):
 
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.slow),
                                       pytest.param("tpu", marks=pytest.mark.slow)])
+def test_the_trainer_s_score_leaves_no_sum_to_the_backend(invariant, platform):
+  """`jaxdecode.score` over the invariant forward (every kind, a truncation, a penalty): its
+  forward program orders every sum itself, as decode's does, so its bits are decode's on
+  every backend (its backward, the plain training pass, is not promised bitwise)."""
+  graphdef, weights, _, _ = invariant
+  params = SamplingParams(temperature=jnp.array([0.0, 0.7, 1.2]), top_p=0.9,
+                          frequency_penalty=jnp.array([0.0, 0.5, 0.0]))
+  fn = lambda w, t, n, new: jaxdecode.score(jaxdecode.models.forward_fn(graphdef, w), t, n, new,
+                                            params=params, eos_ids=[257], pad_id=258)
+  args = (weights, jax.ShapeDtypeStruct((3, 8), jnp.int32), jax.ShapeDtypeStruct((3,), jnp.int32),
+          jax.ShapeDtypeStruct((3, 4), jnp.int32))
+  assert unordered_sums(fn, *args, platform=platform) == []
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.slow),
+                                      pytest.param("tpu", marks=pytest.mark.slow)])
 def test_negative_control_the_plain_step_leaves_its_products_and_sums_to_the_backend(platform):
   _, _, step_fn, state = _step_and_state(False)
   found = unordered_sums(step_fn, state, jnp.zeros((3,), jnp.int32), jnp.array([8, 5, 2]),

@@ -23,6 +23,7 @@ from jaxdecode.models.transformer import KVCache
 from jaxdecode.models.transformer import Transformer
 from jaxdecode.models.transformer import TransformerConfig
 from jaxdecode.models.transformer import forward
+from jaxdecode.models.transformer import forward_fn
 from jaxdecode.models.transformer import init_cache
 from jaxdecode.models.transformer import make_step_fn
 from jaxdecode.models.transformer import prefill
@@ -39,6 +40,7 @@ __all__ = [
     "default_metadata",
     "draft_metadata",
     "forward",
+    "forward_fn",
     "generate",
     "init_cache",
     "load_checkpoint",

@@ -14,7 +14,7 @@ from flax import nnx
 from jaxdecode import _checks
 from jaxdecode import structured
 from jaxdecode.beam import beam_search
-from jaxdecode.decoding import decode
+from jaxdecode.decoding import check_forced_tokens, decode
 from jaxdecode.models import extras
 from jaxdecode.models.checkpoint import load_default
 from jaxdecode.models.tokenizer import ByteTokenizer
@@ -60,6 +60,11 @@ class Generation:
     prompt_logprobs: with `prompt_logprobs=True`, one float32 array per prompt (not per
       sample): the log-probability of each prompt byte given the text before it (BOS has
       none), under the model's own distribution; None otherwise.
+    logprob_kinds: with `logprob_kinds=True`, a `jaxdecode.Scores` of float32[B, N] numpy
+      arrays: each token's raw, tempered and processed log-probability and the log of the
+      tempered mass its processed distribution kept (`jaxdecode.scoring`; 0 after the row's
+      end, a stop string's included); None otherwise. `jaxdecode.score` recomputes them from
+      one forward pass, bitwise.
   """
 
   texts: list
@@ -77,6 +82,7 @@ class Generation:
   top_tokens: np.ndarray | None = None
   top_logprobs: np.ndarray | None = None
   prompt_logprobs: list | None = None
+  logprob_kinds: object = None
 
   @property
   def tokens_per_second(self) -> float:
@@ -121,7 +127,8 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
              num_draft_tokens: int = 4, stop=None, include_stop: bool = False, n: int = 1,
              top_logprobs: int = 0, logprobs_mode: str = "processed",
              prompt_logprobs: bool = False, regex=None, json_schema=None,
-             choices=None, constraint=None) -> Generation:
+             choices=None, constraint=None, logprob_kinds: bool = False,
+             forced_tokens=None) -> Generation:
   """Continues each text prompt; all prompts run as one batch.
 
   Args:
@@ -177,6 +184,13 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
       longer than every text of the constraint is refused.
     constraint: instead of those three, a `jaxdecode.structured` constraint built yourself
       (one for every row, or `structured.stack` of one per row: prompts · n).
+    logprob_kinds: whether to return every log-probability kind of each token
+      (`Generation.logprob_kinds`: raw, tempered, processed, kept_logmass), for an RL trainer
+      that scores the same tokens with `jaxdecode.score`. Not with `beam_size`.
+    forced_tokens: `int[B, max_new_tokens]` (B = prompts · n rows), tokens to emit instead of
+      sampling them (`decode(forced_tokens=...)`: replaying a rollout, e.g. another sampler's,
+      to get its log-probabilities of each kind here); a row still ends at EOS. Not with
+      `beam_size` or `draft`.
 
   Returns:
     A `Generation`. The same key, prompts and params give the same texts (with or without a
@@ -191,6 +205,20 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
   """
   if beam_size is not None:
     _checks.beam_options(beam_size, num_return, length_penalty)
+  logprob_kinds = _checks.boolean("logprob_kinds", logprob_kinds)
+  if beam_size is not None and logprob_kinds:
+    raise ValueError(f"logprob_kinds does not apply to beam search (beam_size={beam_size}): a "
+                     f"beam is chosen by its joint score, not sampled, so it has no sampling "
+                     f"log-probability of each kind")
+  if forced_tokens is not None and (beam_size is not None or draft is not None):
+    raise ValueError("forced_tokens replays tokens through decode: not with beam_size or draft "
+                     "(give the tokens alone: the replay needs no draft, and a beam is not "
+                     "sampled)")
+  if forced_tokens is not None:  # its shape and ids, before the prompts are prefilled
+    rows = len(_checks.text_prompts(prompts)) * _checks.integer("n", n, low=1)
+    vocab = model.config.vocab_size if model is not None else ByteTokenizer.vocab_size
+    forced_tokens = check_forced_tokens(forced_tokens, rows, _checks.integer(
+        "max_new_tokens", max_new_tokens, low=1), vocab, "generate")
   batch = prepare(prompts, model=model, params=params, seed=seed, key=key,
                   max_new_tokens=max_new_tokens, tokenizer=tokenizer,
                   penalize_prompt=penalize_prompt, beam_size=beam_size, draft=draft,
@@ -212,16 +240,19 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
                  prompt_tokens=batch.prompt_tokens)
   if draft is None:
     out = decode(step_fn_for(batch.graphdef), batch.state, batch.logits, **options,
-                 top_logprobs=batch.top_logprobs, logprobs_mode=batch.logprobs_mode)
+                 top_logprobs=batch.top_logprobs, logprobs_mode=batch.logprobs_mode,
+                 scores=logprob_kinds, forced_tokens=forced_tokens)
   else:
     out = speculative_decode(step_fn_for(batch.graphdef), batch.state, batch.logits, **options,
-                             drafter=_drafter(draft, batch), num_draft_tokens=num_draft_tokens)
+                             drafter=_drafter(draft, batch), num_draft_tokens=num_draft_tokens,
+                             scores=logprob_kinds)
     stats = dict(accepted=np.asarray(out.accepted), drafted=np.asarray(out.drafted),
                  calls=int(out.calls))
   new_tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
   out_lengths, finished = np.asarray(out.lengths), np.asarray(out.finished)
   tops = (None, None) if out.top_tokens is None else (np.asarray(out.top_tokens),
                                                       np.asarray(out.top_logprobs))
+  kinds = None if out.scores is None else type(out.scores)(*map(np.asarray, out.scores))
   if batch.stop:
     texts, out_lengths, stopped, keep = extras.cut_at_stops(new_tokens, out_lengths, batch.stop,
                                                             batch.include_stop)
@@ -231,13 +262,15 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
     if tops[0] is not None:
       tops = (np.where(keep[..., None], tops[0], tokenizer.PAD),
               np.where(keep[..., None], tops[1], 0.0).astype(np.float32))
+    if kinds is not None:
+      kinds = type(kinds)(*(np.where(keep, k, 0.0).astype(np.float32) for k in kinds))
   else:
     texts = [tokenizer.decode(row[:k]) for row, k in zip(new_tokens, out_lengths)]
   seconds = time.perf_counter() - batch.started
   return Generation(texts, new_tokens, logprobs, out_lengths, finished, seconds,
                     np.asarray(out.dead_end), **stats,
                     top_tokens=tops[0], top_logprobs=tops[1],
-                    prompt_logprobs=batch.prompt_logprobs)
+                    prompt_logprobs=batch.prompt_logprobs, logprob_kinds=kinds)
 
 
 @dataclasses.dataclass

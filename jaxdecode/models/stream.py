@@ -57,7 +57,8 @@ def stream(prompts: Sequence[str], *, model: Transformer | None = None,
            num_draft_tokens: int = 4, stop=None, include_stop: bool = False, n: int = 1,
            top_logprobs: int = 0, logprobs_mode: str = "processed",
            prompt_logprobs: bool = False, chunk_size: int = 16, regex=None, json_schema=None,
-           choices=None, constraint=None) -> Iterator[StreamChunk]:
+           choices=None, constraint=None, logprob_kinds: bool = False,
+           forced_tokens=None) -> Iterator[StreamChunk]:
   """Continues each text prompt like `generate`, yielding the text as it is produced.
 
   The arguments are `generate`'s (same keys, same tokens, same texts), plus `chunk_size`.
@@ -69,7 +70,8 @@ def stream(prompts: Sequence[str], *, model: Transformer | None = None,
   `max_new_tokens`), so stop strings also save model steps here.
 
   Not streamed: beam search (`beam_size`), speculative decoding (`draft`), `top_logprobs`,
-  `logprobs_mode="raw"` and `prompt_logprobs` (use `generate` for those).
+  `logprobs_mode="raw"`, `prompt_logprobs`, `logprob_kinds` and `forced_tokens` (use
+  `generate` for those).
 
   Args:
     chunk_size: decode steps per chunk (>= 1). Smaller chunks show text sooner and cost more
@@ -87,7 +89,9 @@ def stream(prompts: Sequence[str], *, model: Transformer | None = None,
   top_logprobs = _checks.top_logprobs(top_logprobs)
   logprobs_mode = _checks.logprobs_mode(logprobs_mode)
   prompt_logprobs = _checks.boolean("prompt_logprobs", prompt_logprobs)
+  logprob_kinds = _checks.boolean("logprob_kinds", logprob_kinds)
   for name, on in (("beam_size", beam_size is not None), ("draft", draft is not None),
+                   ("logprob_kinds", logprob_kinds), ("forced_tokens", forced_tokens is not None),
                    ("top_logprobs", top_logprobs > 0),
                    ("logprobs_mode='raw'", logprobs_mode == "raw"),
                    ("prompt_logprobs", prompt_logprobs)):

@@ -440,7 +440,60 @@ def forward(graphdef: nnx.GraphDef, weights: nnx.State, tokens: jax.Array,
   """
   config = nnx.merge(graphdef, weights).config
   _check_prompt(config, tokens, lengths, config.max_len, "max_len")
-  return _forward(graphdef, weights, jnp.asarray(tokens, jnp.int32))
+  return _differentiable_forward(graphdef, weights, jnp.asarray(tokens, jnp.int32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _differentiable_forward(graphdef, weights, tokens):
+  """`_forward`, differentiable in the weights: its values are the inference pass's (bitwise,
+  differentiated or not); its backward is the plain training pass's (`Transformer.__call__`,
+  plain products and a softmax attention, at the same weights and tokens). The inference pass
+  itself has no reverse-mode derivative on CPU and TPU (its attention stops at the data's end,
+  a while loop) and would backpropagate through elementwise product chains; the plain pass
+  computes the same function up to float32 rounding (`TransformerConfig.batch_invariant`)."""
+  return _forward(graphdef, weights, tokens)
+
+
+def _differentiable_forward_fwd(graphdef, weights, tokens):
+  return _forward(graphdef, weights, tokens), (weights, tokens)
+
+
+def _differentiable_forward_bwd(graphdef, residuals, cotangent):
+  weights, tokens = residuals
+  _, pullback = jax.vjp(lambda w: nnx.merge(graphdef, w)(tokens), weights)
+  return pullback(cotangent)[0], None
+
+
+_differentiable_forward.defvjp(_differentiable_forward_fwd, _differentiable_forward_bwd)
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_of(graphdef: nnx.GraphDef):
+  def logits_fn(weights, tokens, lengths):
+    return forward(graphdef, weights, tokens, lengths)
+  return logits_fn
+
+
+def forward_fn(graphdef: nnx.GraphDef, weights: nnx.State) -> jax.tree_util.Partial:
+  """`forward` with this model bound: `logits_fn(tokens, lengths) -> logits`, the function
+  `jaxdecode.score` takes. A `jax.tree_util.Partial` whose leaves are the weights, so they are
+  traced (new weights, or weights under `jax.grad`, never recompile); one function per
+  `graphdef`, so the compiled programs are reused.
+
+  Example:
+    >>> import jax, jaxdecode
+    >>> from flax import nnx
+    >>> model = Transformer(TransformerConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64,
+    ...                                       max_len=64), rngs=nnx.Rngs(0))
+    >>> graphdef, weights = nnx.split(model)
+    >>> def loss(weights):
+    ...   scores = jaxdecode.score(forward_fn(graphdef, weights), [[256, 104]], [2], [[105, 33]])
+    ...   return -scores.processed.sum()
+    >>> value, grads = jax.value_and_grad(loss)(weights)
+    >>> bool(value > 0)
+    True
+  """
+  return jax.tree_util.Partial(_forward_of(graphdef), weights)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
