@@ -40,11 +40,12 @@ reduction axis laid out first, each step one elementwise pass over the outputs.
   refused.
 - `exp` (float32 and narrower): range reduction and a polynomial in basic arithmetic. XLA:CPU's
   own `exp` was measured to give other bits for the same input in arrays of some lengths (3,
-  5-7, 11-15 elements: another code path), so a row's `exp` depended on the batch. `log`,
+  5-7, 11-15 elements: another code path), so a row's `exp` depended on the batch.
   `tanh`, `logistic`, `rsqrt`, `sqrt`, `erf`, `sin`, `cos`, `log1p`, `expm1`, `pow`, `exp2`
-  and `div` showed no such dependence (lengths 1-39) and are kept. (A later measurement on a
-  2-core AMD EPYC found XLA:CPU's `log` length-dependent too, at 3, 5-7, 11 and 13-15
-  elements; it is not rewritten yet.)
+  and `div` showed no such dependence (lengths 1-39) and are kept.
+- `log` (float32 and narrower): the exponent from its bits and a polynomial (`fixed_log`). A
+  later measurement on a 2-core AMD EPYC found XLA:CPU's `log` length-dependent like its `exp`
+  (at 3, 5-7, 11 and 13-15 elements).
 - float `mul` (and `square`, `integer_pow`): `exact_product`, four exact partial products
   added in a fixed order. XLA contracts a multiply and an add into one FMA when both land in
   one fused kernel, and the fusion depends on the shapes: transformers' Flax Llama (`x * cos +
@@ -287,6 +288,41 @@ def fixed_exp(x: jax.Array) -> jax.Array:
   return y.astype(dtype)
 
 
+_SQRT_HALF = np.float32(0.70710678118654752440)
+_LOG_POLY = (7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1,
+             1.4249322787e-1, -1.6668057665e-1, 2.0000714765e-1, -2.4999993993e-1,
+             3.3333331174e-1)
+
+
+def fixed_log(x: jax.Array) -> jax.Array:
+  """log(x) in basic float32 arithmetic: the same bits for an input wherever it sits.
+
+  x = m 2^e with m in [sqrt(1/2), sqrt(2)) read from its bits, log(x) = e ln 2 + log(m), log(m)
+  a polynomial in f = m - 1 (Cephes' logf; within 1 ulp, tested). Zero and subnormals give -inf
+  (XLA:CPU flushes subnormals: its own log does the same), negatives NaN, inf inf, NaN NaN.
+  """
+  dtype = x.dtype
+  x = x.astype(jnp.float32)
+  bits = lax.bitcast_convert_type(x, jnp.int32)
+  e = ((bits >> 23) & 0xFF) - 126
+  m = lax.bitcast_convert_type((bits & 0x007FFFFF) | 0x3F000000, jnp.float32)  # [0.5, 1)
+  small = m < _SQRT_HALF
+  e = lax.select(small, e - 1, e)
+  f = lax.select(small, m + m, m) - np.float32(1.0)
+  z = f * f
+  p = lax.full_like(f, _LOG_POLY[0])
+  for c in _LOG_POLY[1:]:
+    p = p * f + np.float32(c)
+  ef = e.astype(jnp.float32)
+  y = p * f * z + ef * np.float32(-2.12194440e-4) - np.float32(0.5) * z
+  y = (f + y) + ef * _LN2_HI
+  y = lax.select(x < np.float32(np.finfo(np.float32).tiny), lax.full_like(y, -np.inf), y)
+  y = lax.select(x < 0, lax.full_like(y, np.nan), y)
+  y = lax.select(x == np.inf, x, y)
+  y = lax.select(x != x, x, y)
+  return y.astype(dtype)
+
+
 _HIGH_BITS = np.uint32(0xFFFFF000)  # a float32's sign, exponent and 12 leading significand bits
 
 
@@ -485,6 +521,8 @@ def _rewrite(eqn, invals):
     if jnp.issubdtype(x.dtype, jnp.floating):  # float64: no measured dependence; kept
       return _bind(eqn, invals)
     _refuse(eqn, "complex exp is not rewritten")
+  if name == "log" and invals[0].dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+    return [fixed_log(invals[0])]  # other dtypes: kept (float64: not measured; complex)
   if name in ("cumsum", "cumprod", "cumlogsumexp"):
     if not _is_float(invals[0].dtype):
       return _bind(eqn, invals)
