@@ -1570,7 +1570,7 @@ def format_table(result: Mapping) -> str:
     config = ", ".join(f"{k} {v}" for k, v in HF_GPT2.items())
     lines += _section(
         [f"Numerics: greedy decode, {s['max_new_tokens']} new tokens, transformers' Flax GPT-2, "
-         f"jaxdecode.batch_invariant vs plain XLA", f"({config}; random weights)"],
+         f"batch_invariant vs plain XLA", f"({config}; random weights)"],
         f"{'B':>3} {'inv ms':>8} {'plain ms':>8} {'inv/plain tok/s':>15} "
         f"{'compile inv s':>13} {'plain s':>7}",
         result["numerics_transformers"], lambda row: f"{row['batch']:>3}",
