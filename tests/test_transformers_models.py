@@ -273,6 +273,7 @@ def check_needles(dec, batch, how):
         f"{'log-probs' if how == 'sampled' else 'logits'} differ from the needle alone")
 
 
+@pytest.mark.slow  # about 28 s here (5 compilations); the fast loop keeps the lowering checks
 def test_gpt2_greedy_logits_bitwise_alone_and_in_a_batch_of_5_under_batch_invariant(decoders):
   """Every step's logits (and so the greedy tokens) of a length-1 prompt and of the longest
   prompt that fits the cache, alone and in a left-padded batch of 5; weights an argument."""
