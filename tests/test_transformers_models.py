@@ -9,7 +9,7 @@ then one more per step. Every row writes its keys and values at the model's one 
 `cache_index`, so a prompt left-padded in a batch has its tokens at other cache slots than alone.
 
 The promise checked (`jaxdecode.batch_invariant`, see jaxdecode/batch_invariant.py): a prompt's
-sampled tokens and log-probs are bitwise the same alone and in batches of 2, 5 and 12 beside
+sampled tokens and log-probs are bitwise the same alone and in batches of 5 and 12 beside
 prompts of other lengths, with per-row keys and sampling parameters. It follows from the
 construction (every float sum an in-order chain, `exp` in basic arithmetic), not from this
 machine's kernels; the same test under plain numerics is a negative control, reported (not
