@@ -22,9 +22,12 @@ reduction axis laid out first, each step one elementwise pass over the outputs.
 - `dot_general` (every layout: batch dims, several contracting dims, `precision`,
   `preferred_element_type`): the chain of multiply-adds l[k] * r[k] over the contracting dims
   flattened in order, both operands laid out contraction-major so that a step reads contiguous
-  slices; a large output is updated once per block of 32 terms over tiles of 32 columns (as
-  `jaxdecode.models.numerics.chain_matmul`, without its 4 lanes, which are chosen by the
-  index modulo 4 and so are not shift-invariant). Operands narrower than float32 are
+  slices, each step one pass over the output at every shape (a second layout for large
+  outputs, blocks of 32 terms over tiles of 32 columns as
+  `jaxdecode.models.numerics.chain_matmul`, was up to 1.5x faster there but contracted other
+  multiply-adds into FMAs than the one-pass loop: a row's bits changed where batching made
+  its output large). Lanes chosen by the index modulo a width are not shift-invariant, and
+  are not used. Operands narrower than float32 are
   multiplied and accumulated in float32; `precision` is moot (every product is an exactly
   rounded elementwise multiply).
 - `reduce_prod`: the chain of multiplies from 1.0 (ones at either end are no-ops).
@@ -37,9 +40,18 @@ reduction axis laid out first, each step one elementwise pass over the outputs.
   refused.
 - `exp` (float32 and narrower): range reduction and a polynomial in basic arithmetic. XLA:CPU's
   own `exp` was measured to give other bits for the same input in arrays of some lengths (3,
-  5-7, 11-15 elements: another code path), so a row's `exp` depended on the batch. `log`,
+  5-7, 11-15 elements: another code path), so a row's `exp` depended on the batch.
   `tanh`, `logistic`, `rsqrt`, `sqrt`, `erf`, `sin`, `cos`, `log1p`, `expm1`, `pow`, `exp2`
   and `div` showed no such dependence (lengths 1-39) and are kept.
+- `log` (float32 and narrower): the exponent from its bits and a polynomial (`fixed_log`). A
+  later measurement on a 2-core AMD EPYC found XLA:CPU's `log` length-dependent like its `exp`
+  (at 3, 5-7, 11 and 13-15 elements).
+- float `mul` (and `square`, `integer_pow`): `exact_product`, four exact partial products
+  added in a fixed order. XLA contracts a multiply and an add into one FMA when both land in
+  one fused kernel, and the fusion depends on the shapes: transformers' Flax Llama (`x * cos +
+  rotate(x) * sin`, a norm's scale) gave a row other logits alone than in a batch of 5 through
+  this alone. With exact products, contracting or not gives the same bits. (The chains' own
+  `acc + l * r` is one loop body at every shape, and measured alike.)
 
 Kept as they are: every elementwise and structural op on an explicit allow-list, exact
 reductions (`reduce_max`/`min`, `argmax`, integer sums and products, logical reductions),
@@ -59,8 +71,10 @@ axis that no reduction runs over) do not depend on the other rows, and a reducti
 not depend on exact zeros added at either end of its axis (sums, products, cumulative sums from
 the start) -- which is what left padding does to a row's cache slots. What it does not
 promise: the same bits on two machines. XLA may fuse a multiply and an add into one FMA
-(XLA:CPU and NVPTX do where the hardware has one), alike for every element and batch size on
-one machine (the tests check it here), but not on every CPU or GPU alike.
+(XLA:CPU and NVPTX do where the hardware has one); inside the chains it does so alike for
+every element and batch size on one machine (the tests check it here), and a model's own
+products are made exact (above) so that contraction cannot matter, but the chains' FMAs are
+not on every CPU or GPU alike.
 
 Derivatives: `batch_invariant(fn)` is a `jax.custom_jvp` whose primal output is the rewritten
 function's and whose tangents are `jax.jvp` of the plain `fn`; so `jax.grad`, `value_and_grad`,
@@ -69,9 +83,10 @@ plain XLA products (it is not batch-invariant).
 
 What it costs (XLA:CPU, a 2-core AVX2 AMD EPYC under load; invariant / plain time, the same
 process, alternating, medians of 50): [8,256] @ [256,1024] 2.0x, [1,1024] @ [1024,1024] 2.2x,
-[64,1024] @ [1024,1024] 4.4x (plain XLA uses a tuned, multithreaded kernel; the chain is one
-thread of elementwise code); softmax over [8,4096] 1.6-2.1x, layer norm [64,1024] 2.5x; a sum
-over [8,4096] 0.5x and a cumsum 0.2x (XLA:CPU's own row reductions are slow at these shapes).
+[64,1024] @ [1024,1024] 4.4x with the blocked layout, about 4.5x (12.2 ms against 2.7, medians
+of 20, loaded) with the one-pass loop alone (plain XLA uses a tuned, multithreaded kernel; the
+chain is one thread of elementwise code); softmax over [8,4096] 1.6-2.1x, layer norm
+[64,1024] 2.5x; a sum over [8,4096] 0.5x and a cumsum 0.2x (XLA:CPU's own row reductions are slow at these shapes).
 Tracing runs `fn` once more (`make_jaxpr`) per call outside `jit`; compiling a chain is a loop.
 A fully unrolled chain or lanes by index modulo a width were measured no faster, or not
 shift-invariant; a pairwise tree aligned to each row's first nonzero term was shift-invariant
@@ -92,12 +107,6 @@ import numpy as np
 from jax import lax
 
 UNROLL = 4  # steps of a sum's chain per loop iteration (layout only: the bits do not depend on it)
-# Products (layout only: the same chain, the same bits): an output of at most SMALL_OUTPUT
-# elements is updated once per term; a larger one once per block of TERMS terms, the right
-# operand read in tiles of TILE columns.
-SMALL_OUTPUT = 16384
-TERMS = 32
-TILE = 32
 
 __all__ = ["batch_invariant", "BatchInvariantError"]
 
@@ -175,11 +184,9 @@ def chain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype) -> j
   Output element e is acc_K where acc_0 = +0.0 and acc_{k+1} = acc_k + l_e[k] * r_e[k], k
   running over the contracting dims flattened in order: an order fixed by the program. Both
   operands are first laid out contraction-major ([K, batch, free]), so step k reads two
-  contiguous slices; the steps are a `lax.scan`. A small output (at most `SMALL_OUTPUT`
-  elements, which stay in cache) takes one pass per term; a larger one one pass per block of
-  `TERMS` terms (as `jaxdecode.models.numerics.chain_matmul`), with zero terms padding the
-  last block. Both layouts compute each element by the same chain, so they give the same bits
-  (measured; each term's multiply-add is contracted, or not, into an FMA alike in both).
+  contiguous slices; the steps are a `lax.scan`, each one pass over the output. The same loop
+  at every shape: XLA contracts its multiply-add into an FMA alike for every element and batch
+  size (measured), which a second layout for large outputs did not (see below).
   """
   (lc, rc), (lb, rb) = dimension_numbers
   lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
@@ -197,31 +204,15 @@ def chain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype) -> j
   left = lax.transpose(lhs, lc + lb + lf).reshape(k, nb, m).astype(acc_dtype)
   right = lax.transpose(rhs, rc + rb + rf).reshape(k, nb, n).astype(acc_dtype)
   zero = _varying_like(_varying_like(jnp.zeros((), acc_dtype), left), right)
-  if nb * m * n <= SMALL_OUTPUT:
-    # One pass over the (cache-resident) output per term.
-    def step(acc, lr):
-      return acc + lr[0][:, :, None] * lr[1][:, None, :], None
+  # One pass over the output per term, at every shape. (Updating a large output once per block
+  # of 32 terms was faster there, but XLA contracted its multiply-adds into FMAs in other places
+  # than this loop's, so a row got other bits where the batch made its output large: a
+  # [1, 17, 32] @ [32, 97] row against the same row of [12, 17, 32] @ [32, 97]. Any switch of
+  # layout on a size that batching or padding can change breaks the promise.)
+  def step(acc, lr):
+    return acc + lr[0][:, :, None] * lr[1][:, None, :], None
 
-    acc = lax.scan(step, jnp.broadcast_to(zero, (nb, m, n)), (left, right))[0]
-  else:
-    # One pass over the output per block of TERMS terms; the right operand in tiles of TILE
-    # columns whose TERMS rows are contiguous (a long row stride would map them to one cache
-    # set). Terms padded to a whole block are 0 * 0 at the end: no-ops.
-    blocks, tiles = -(-k // TERMS), -(-n // TILE)
-    left = jnp.pad(left, ((0, blocks * TERMS - k), (0, 0), (0, 0)))
-    right = jnp.pad(right, ((0, blocks * TERMS - k), (0, 0), (0, tiles * TILE - n)))
-    left = jnp.transpose(left.reshape(blocks, TERMS, nb, m), (0, 2, 3, 1))  # [blk, nb, m, T]
-    right = jnp.transpose(right.reshape(blocks, TERMS, nb, tiles, TILE),
-                          (0, 2, 3, 1, 4))  # [blk, nb, tiles, T, V]
-
-    def block(acc, lr):  # acc [nb, tiles, m, V]
-      l, r = lr
-      for t in range(TERMS):
-        acc = acc + l[:, None, :, t, None] * r[:, :, None, t, :]
-      return acc, None
-
-    acc = lax.scan(block, jnp.broadcast_to(zero, (nb, tiles, m, TILE)), (left, right))[0]
-    acc = jnp.transpose(acc, (0, 2, 1, 3)).reshape(nb, m, tiles * TILE)[:, :, :n]
+  acc = lax.scan(step, jnp.broadcast_to(zero, (nb, m, n)), (left, right))[0]
   return acc.reshape(out_shape).astype(out_dtype)
 
 
@@ -295,6 +286,85 @@ def fixed_exp(x: jax.Array) -> jax.Array:
   y = lax.select(x < -104.0, lax.full_like(y, 0.0), y)
   y = lax.select(x != x, x, y)
   return y.astype(dtype)
+
+
+_SQRT_HALF = np.float32(0.70710678118654752440)
+_LOG_POLY = (7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1,
+             1.4249322787e-1, -1.6668057665e-1, 2.0000714765e-1, -2.4999993993e-1,
+             3.3333331174e-1)
+
+
+def fixed_log(x: jax.Array) -> jax.Array:
+  """log(x) in basic float32 arithmetic: the same bits for an input wherever it sits.
+
+  x = m 2^e with m in [sqrt(1/2), sqrt(2)) read from its bits, log(x) = e ln 2 + log(m), log(m)
+  a polynomial in f = m - 1 (Cephes' logf; within 1 ulp, tested). Zero and subnormals give -inf
+  (XLA:CPU flushes subnormals: its own log does the same), negatives NaN, inf inf, NaN NaN.
+  """
+  dtype = x.dtype
+  x = x.astype(jnp.float32)
+  bits = lax.bitcast_convert_type(x, jnp.int32)
+  e = ((bits >> 23) & 0xFF) - 126
+  m = lax.bitcast_convert_type((bits & 0x007FFFFF) | 0x3F000000, jnp.float32)  # [0.5, 1)
+  small = m < _SQRT_HALF
+  e = lax.select(small, e - 1, e)
+  f = lax.select(small, m + m, m) - np.float32(1.0)
+  z = f * f
+  p = lax.full_like(f, _LOG_POLY[0])
+  for c in _LOG_POLY[1:]:
+    p = p * f + np.float32(c)
+  ef = e.astype(jnp.float32)
+  y = p * f * z + ef * np.float32(-2.12194440e-4) - np.float32(0.5) * z
+  y = (f + y) + ef * _LN2_HI
+  y = lax.select(x < np.float32(np.finfo(np.float32).tiny), lax.full_like(y, -np.inf), y)
+  y = lax.select(x < 0, lax.full_like(y, np.nan), y)
+  y = lax.select(x == np.inf, x, y)
+  y = lax.select(x != x, x, y)
+  return y.astype(dtype)
+
+
+_HIGH_BITS = np.uint32(0xFFFFF000)  # a float32's sign, exponent and 12 leading significand bits
+
+
+def exact_product(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a * b (same shapes) whose bits do not depend on FMA contraction.
+
+  XLA:CPU (and GPU compilers) contract a multiply and an add into one FMA when both land in one
+  fused kernel, and which ops share a kernel depends on the shapes: a model's own `x * y + z`
+  (rotary embeddings, a norm's scale and bias, GELU) got other bits alone than in a batch. Here
+  each float32 factor is split into a high part of 12 significant bits and the exact rest, so
+  each of the four partial products is exact, and an FMA over an exact product rounds as the
+  add alone does; the partial products are added in a fixed order (the result is within
+  2 ulp of a * b). Non-finite products take a * b. Narrower floats are multiplied in float32,
+  where their product is exact, and rounded back; float64 and complex are kept.
+  """
+  dtype = jnp.result_type(a, b)
+  if dtype in (jnp.bfloat16, jnp.float16):
+    return (a.astype(jnp.float32) * b.astype(jnp.float32)).astype(dtype)
+  if dtype != jnp.float32:
+    return a * b
+
+  def split(x):
+    hi = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) & _HIGH_BITS,
+                                  jnp.float32)
+    return hi, x - hi
+
+  (ah, al), (bh, bl) = split(a), split(b)
+  product = ((ah * bh + ah * bl) + al * bh) + al * bl
+  plain = a * b
+  return lax.select(jnp.isfinite(plain) & jnp.isfinite(product), product, plain)
+
+
+def _integer_power(x: jax.Array, y: int) -> jax.Array:
+  """x ** y (an integer) by `exact_product`s: square-and-multiply over y's bits, high first."""
+  if y == 0:
+    return jnp.ones_like(x)
+  out = x
+  for bit in bin(abs(y))[3:]:
+    out = exact_product(out, out)
+    if bit == "1":
+      out = exact_product(out, x)
+  return out if y > 0 else 1 / out
 
 
 def _logaddexp(a, b):
@@ -451,6 +521,8 @@ def _rewrite(eqn, invals):
     if jnp.issubdtype(x.dtype, jnp.floating):  # float64: no measured dependence; kept
       return _bind(eqn, invals)
     _refuse(eqn, "complex exp is not rewritten")
+  if name == "log" and invals[0].dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+    return [fixed_log(invals[0])]  # other dtypes: kept (float64: not measured; complex)
   if name in ("cumsum", "cumprod", "cumlogsumexp"):
     if not _is_float(invals[0].dtype):
       return _bind(eqn, invals)
@@ -519,6 +591,11 @@ def _rewrite(eqn, invals):
     return [chain_conv(invals[0], invals[1], p["window_strides"], p["padding"],
                        p["lhs_dilation"], p["rhs_dilation"], p["dimension_numbers"],
                        p["feature_group_count"], _out_dtype(eqn))]
+  if name in ("mul", "square", "integer_pow") and _is_float(_out_dtype(eqn)):
+    x = invals[0]
+    if name == "mul":
+      return [exact_product(x, invals[1])]
+    return [_integer_power(x, 2 if name == "square" else p["y"])]
   if name in _LINALG:
     _refuse(eqn, "linear algebra kernels order their sums themselves")
   if name in ("pallas_call", "ffi_call", "custom_call", "tpu_custom_call", "mosaic_gpu_call",
@@ -641,13 +718,14 @@ def batch_invariant(fn: Callable) -> Callable:
   Promise: on one machine (and one JAX/XLA), a row's results do not depend on the other rows of
   the batch nor on the batch size, and a sum, product or cumulative sum does not depend on exact
   zeros added at either end of its reduction axis (left or right padding). Not promised: equal
-  bits across machines (XLA may contract a multiply and an add into one FMA; it does so alike
-  for every element and batch size of one machine, but not on every CPU or GPU alike), nor
+  bits across machines (XLA may contract a chain's multiply and add into one FMA; it does so
+  alike for every element and batch size of one machine, but not on every CPU or GPU alike;
+  the function's own float multiplies are made exact so that contraction cannot matter), nor
   equal bits between `jit` and eager evaluation (eager runs each op alone: no FMA across ops).
 
   Cost: products run as elementwise code instead of a matrix kernel (measured on XLA:CPU: 2x
-  a plain product of [8,256] @ [256,1024], 4.4x at [64,1024] @ [1024,1024]); a softmax about
-  2x; see the module docstring.
+  a plain product of [8,256] @ [256,1024], about 4.5x at [64,1024] @ [1024,1024]); a softmax
+  about 2x; see the module docstring.
 
   Refused (a `BatchInvariantError`, both `NotImplementedError` and `ValueError`, at trace time,
   naming the primitive and the source line): FFTs, linear algebra, convolutions with

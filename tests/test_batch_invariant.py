@@ -17,7 +17,9 @@ from jax.sharding import PartitionSpec as P
 import jaxdecode
 from jaxdecode import batch_invariant
 from jaxdecode.batch_invariant import BatchInvariantError
+from jaxdecode.batch_invariant import exact_product
 from jaxdecode.batch_invariant import fixed_exp
+from jaxdecode.batch_invariant import fixed_log
 from jaxdecode.invariance import unordered_sums
 
 BATCHES = (2, 3, 7, 33)
@@ -161,15 +163,20 @@ def test_a_row_alone_and_in_batches_of_2_7_33_bitwise(group, batch):
   _check_rows(group, batch)
 
 
-def test_a_product_gets_the_same_bits_in_both_layouts():
-  """Alone, [1, 600] is a small output (one pass per term); in 33 rows a large one (blocks of
-  terms, tiles of columns): the same chain, so the same bits."""
+def test_a_product_row_alone_and_in_a_large_output_bitwise():
+  """A row of a small product ([1, 17, 32] @ [32, 97], 1,649 outputs) and the same row of a
+  large one (12 rows, 19,788 outputs), and of [33, 70] @ [70, 600]. A second layout for large
+  outputs (blocks of 32 terms) once gave 82 of that row's 1,649 outputs other bits here: XLA
+  contracted other multiply-adds into FMAs in it. One loop at every shape gives the same bits."""
   rng = np.random.default_rng(14)
-  w = rng.standard_normal((70, 600)).astype(np.float32)
-  x = rng.standard_normal((33, 70)).astype(np.float32)
   product = jax.jit(batch_invariant(lambda x, w: x @ w))
-  _assert_bitwise(product(x, w)[20], product(x[20:21], w)[0], "layouts")
-  np.testing.assert_allclose(product(x, w), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
+  for x_shape, w_shape in (((12, 17, 32), (32, 97)), ((33, 70), (70, 600))):
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    together = product(x, w)
+    _assert_bitwise(together[0], product(x[:1], w)[0], f"{x_shape} row 0")
+    _assert_bitwise(together[-1], product(x[-1:], w)[0], f"{x_shape} last row")
+    np.testing.assert_allclose(together, np.asarray(x, np.float64) @ w, rtol=1e-5, atol=1e-5)
 
 
 def test_window_sums_with_padding_and_dilations_are_xlas():
@@ -255,6 +262,58 @@ def test_exp_is_elementwise_everywhere_and_accurate():
   with np.errstate(over="ignore"):
     want = np.exp(special.astype(np.float64)).astype(np.float32)
   np.testing.assert_array_equal(exp(special), want)
+
+
+def test_log_is_elementwise_everywhere_and_accurate():
+  """`fixed_log`: the same bits for an input in arrays of every length (XLA:CPU's own `log`
+  was measured to differ at 3, 5-7, 11 and 13-15 elements); within 1 ulp of log; and what
+  `batch_invariant` makes of `jnp.log`."""
+  rng = np.random.default_rng(19)
+  values = np.concatenate([np.exp(rng.uniform(-80, 80, 300)),
+                           rng.uniform(0.5, 2.0, 100)]).astype(np.float32)
+  log = jax.jit(fixed_log)
+  ref = np.asarray(log(values))
+  for n in (1, 2, 3, 5, 7, 11, 13, 15, 17):
+    for start in range(0, len(values) - n, 37):
+      _assert_bitwise(log(values[start:start + n]), ref[start:start + n], f"length {n}")
+  exact = np.log(values.astype(np.float64))
+  ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+  assert np.max(np.abs(ref - exact) / ulp) <= 1.0
+  special = np.array([0.0, -0.0, -1.0, np.inf, np.nan, 1.0, np.finfo(np.float32).tiny],
+                     np.float32)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    np.testing.assert_array_equal(log(special), np.log(special))
+  _assert_bitwise(jax.jit(batch_invariant(jnp.log))(values), ref, "batch_invariant(jnp.log)")
+
+
+def test_a_product_followed_by_an_add_has_the_same_bits_fused_or_not():
+  """XLA contracts `a * b + c` into one FMA when the multiply and the add share a fused kernel,
+  and which ops share one depends on the shapes (a transformers Llama step's rotary embedding
+  got other bits alone than in a batch of 5). `exact_product` (what a float `mul` becomes) has
+  exact partial products, so fused (one program) and unfused (the product materialized by a
+  program of its own, then added) give the same bits; and it is a * b within 2 ulp."""
+  rng = np.random.default_rng(18)
+  a, b = (rng.standard_normal(4096).astype(np.float32) for _ in range(2))
+  c = -(a * b) + rng.standard_normal(4096).astype(np.float32) * 1e-3  # cancellation: FMA shows
+  fused = jax.jit(lambda a, b, c: exact_product(a, b) + c)(a, b, c)
+  product = jax.jit(exact_product)(a, b)
+  _assert_bitwise(fused, jax.jit(lambda p, c: p + c)(product, c), "exact_product fused")
+  exact = a.astype(np.float64) * b
+  ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+  assert np.max(np.abs(np.asarray(product, np.float64) - exact) / ulp) <= 2.0
+  special = np.array([np.inf, -np.inf, np.nan, 0.0, 3e38, 1e-30], np.float32)
+  with np.errstate(over="ignore", invalid="ignore"):
+    want = special * special[::-1]
+  np.testing.assert_array_equal(jax.jit(exact_product)(special, special[::-1]), want)
+  for dtype in (jnp.bfloat16, jnp.float16):
+    x, y = (jnp.asarray(v[:64], dtype) for v in (a, b))
+    _assert_bitwise(exact_product(x, y), (x.astype(np.float32) * y.astype(np.float32)).astype(
+        dtype), str(dtype))
+  # Powers go through it too: x ** 3 and x ** -2 within a few ulp.
+  powers = jax.jit(batch_invariant(lambda x: (x ** 3, x ** -2, jnp.square(x))))(a[:64] + 2.0)
+  x64 = a[:64].astype(np.float64) + 2.0
+  for got, want in zip(powers, (x64 ** 3, x64 ** -2, x64 ** 2)):
+    np.testing.assert_allclose(got, want, rtol=5e-7)
 
 
 def test_nested_control_flow_scan_inside_jit_inside_cond():

@@ -53,7 +53,8 @@ def test_result_is_valid_json_and_formats_as_a_table(kernel_result):
   text = json.dumps(bench._finite(kernel_result), allow_nan=False)
   back = json.loads(text)
   assert set(back) == {"command", "machine", "settings", "notes", "kernel", "decode", "beam",
-                       "numerics", "speculative", "stream", "structured"}
+                       "numerics", "numerics_transformers", "speculative", "stream",
+                       "structured"}
   assert back["decode"] == back["beam"] == back["structured"] == []  # decode=False: no model tables
   assert back["settings"]["runs"] == 5 and back["settings"]["seconds"] > 0
   for field in ("platform", "cpu_count", "device_kind", "devices", "jax"):
@@ -308,6 +309,36 @@ def test_numerics_table_on_a_tiny_model():
   table = bench.format_table(result)
   assert "Numerics:" in table and "position 96 over one at position 32" in table
   assert "skipped: ValueError" in table
+
+
+@pytest.mark.slow
+def test_transformers_numerics_table_on_a_tiny_gpt2_or_a_line_saying_why_not(monkeypatch):
+  def unavailable(*args, **kwargs):
+    raise ImportError("cannot import name 'FlaxGPT2LMHeadModel'")
+
+  with monkeypatch.context() as m:
+    m.setattr(bench, "transformers_gpt2", unavailable)
+    skipped = bench.transformers_numerics_table(batches=(1, 8), runs=5)
+  assert [row["batch"] for row in skipped] == [1, 8]
+  assert all("transformers<5" in row["skipped"] for row in skipped)
+  rows = skipped
+  if HAS_TRANSFORMERS:
+    tiny = bench.transformers_gpt2({"n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": 50,
+                                    "n_positions": 64})
+    (row,) = bench.transformers_numerics_table(batches=(2,), runs=5, max_new_tokens=4,
+                                               model=tiny)
+    assert row["batch"] == 2 and set(row["median_s"]) == set(row["first_call_s"]) == {
+        "invariant", "plain"}
+    for value in [*row["median_s"].values(), *row["first_call_s"].values(),
+                  *row["ratio"].values()]:
+      assert _positive_finite(value)
+    rows = [row] + skipped
+  result = {"command": "", "machine": bench.machine_info(), "notes": [], "kernel": [],
+            "decode": [], "numerics_transformers": rows,
+            "settings": {"runs": 5, "warmup": 2, "seconds": 1.0, "max_new_tokens": 4}}
+  table = bench.format_table(result)
+  assert "transformers' Flax GPT-2" in table and "skipped: transformers with its Flax" in table
+  assert max(len(line) for line in table.splitlines()) <= 100
 
 
 @pytest.mark.slow

@@ -37,6 +37,10 @@ Tables:
 4. Numerics. Greedy decode tokens/s of the embedded model with its batch-invariant numerics
    over the same weights with plain XLA kernels, at B = 1, 8 and 64; each mode's first call
    (compilation); one invariant step near the end of the context over one at position 32.
+   Then the same ratio for a model no one here wrote, when `transformers<5` is installed (a
+   line says why not otherwise): transformers' Flax GPT-2 (`HF_GPT2`: 4 layers, 256 wide,
+   V = 8192, random weights), its prefill and step under `jaxdecode.batch_invariant` over
+   plain XLA, both decoded by `jaxdecode.decode`, at B = 1 and 8.
 5. Speculative decoding. `speculative_decode` over `decode` time (the same tokens) and the
    acceptance rate, for the n-gram drafter and the embedded draft model, greedy and top-p 0.9,
    B = 1 and 8, K = 2, 4, 8, on repetitive and on fresh prompts.
@@ -708,6 +712,128 @@ def numerics_table(*, batches: Sequence[int] = BATCHES, runs: int = RUNS,
   return rows
 
 
+# The same comparison on a model no one here wrote: transformers' Flax GPT-2 under
+# `jaxdecode.batch_invariant` against the same model with plain XLA.
+
+# Tiny but not trivial (about 5M parameters); random weights, nothing downloaded.
+HF_GPT2 = {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 8192, "n_positions": 256}
+HF_NUMERICS_BATCHES = (1, 8)
+
+
+def transformers_gpt2(config: Mapping | None = None, seed: int = 0):
+  """`(model, params)`: transformers' `FlaxGPT2LMHeadModel` with random weights (`HF_GPT2`).
+
+  Raises ImportError when transformers with its Flax models (`transformers<5`) is missing.
+  """
+  # pylint: disable-next=import-outside-toplevel
+  from transformers import FlaxGPT2LMHeadModel, GPT2Config
+  with jax.numpy_rank_promotion("allow"):  # transformers' code broadcasts by NumPy's rules
+    model = FlaxGPT2LMHeadModel(GPT2Config(**(config or HF_GPT2)), _do_init=False)
+    params = jax.jit(model.init_weights, static_argnums=1)(jax.random.key(seed), (1, 1))
+  return model, params
+
+
+def transformers_step_fns(model):
+  """A transformers Flax causal LM as `(prefill, step_fn)` over its own cache, laid out as its
+  `generate` lays out left-padded prompts (`prepare_inputs_for_generation`).
+
+  `prefill(params, tokens [B, T], mask [B, S], cache)` (left-padded prompts; `mask` the
+  prompts' mask followed by ones up to the cache's S slots; `cache` zeros of `init_cache(B, S)`)
+  -> `(logits [B, V], state)`; `step_fn(state, tokens [B], positions [B])` is `decode`'s. The
+  state holds the weights, the cache and the mask.
+  """
+
+  def prefill(params, tokens, mask, cache):
+    position_ids = jnp.cumsum(mask[:, :tokens.shape[1]], -1) - 1  # padding gets -1, as generate
+    out = model(tokens, attention_mask=mask, position_ids=position_ids, params=params,
+                past_key_values=cache)
+    return out.logits[:, -1], {"params": params, "cache": out.past_key_values, "mask": mask}
+
+  def step_fn(state, tokens, positions):
+    out = model(tokens[:, None], attention_mask=state["mask"], position_ids=positions[:, None],
+                params=state["params"], past_key_values=state["cache"])
+    return out.logits[:, -1], {**state, "cache": out.past_key_values}
+
+  return prefill, step_fn
+
+
+def transformers_numerics_row(batch: int, *, runs: int = RUNS, max_new_tokens: int = 64,
+                              model=None, seed: int = 0) -> dict:
+  """Greedy decode tokens/s of transformers' Flax GPT-2 under `jaxdecode.batch_invariant`
+  (prefill and step) over the same model and weights with plain XLA, both through
+  `jaxdecode.decode`, round-robin; and each mode's first decode call (compilation included).
+
+  Args:
+    batch: B.
+    runs: timed runs.
+    max_new_tokens: N.
+    model: `(model, params)` (default: `transformers_gpt2()`).
+    seed: seed of the prompts.
+
+  Returns:
+    A dict with `batch`, `max_new_tokens`, `runs`, `median_s` (invariant, plain),
+    `first_call_s` (invariant, plain) and `ratio`: `invariant_vs_plain` (tokens/s).
+  """
+  model, params = model or transformers_gpt2()
+  prompts = _prompts(model.config.vocab_size, batch, seed)
+  tokens, lengths = jaxdecode.left_pad(prompts, buckets=None)
+  cache_length = tokens.shape[1] + max_new_tokens
+  mask = jnp.ones((batch, cache_length), jnp.int32).at[:, :tokens.shape[1]].set(
+      jaxdecode.prompt_mask(lengths, tokens.shape[1]).astype(jnp.int32))
+  greedy = SamplingParams(temperature=0.0)
+  key = jax.random.key(seed)
+  plain_fns = transformers_step_fns(model)
+  runs_by_mode, first_call = {}, {}
+  with jax.numpy_rank_promotion("allow"):
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+        lambda: model.init_cache(batch, cache_length)))  # init_cache's zeros, without its forward
+    for mode, fns in (("invariant", tuple(map(jaxdecode.batch_invariant, plain_fns))),
+                      ("plain", plain_fns)):
+      prefill, step_fn = fns
+      logits, state = jax.jit(prefill)(params, tokens, mask, cache)
+
+      def run(step_fn=step_fn, state=state, logits=logits):
+        with jax.numpy_rank_promotion("allow"):
+          return jaxdecode.decode(step_fn, state, logits, key=key, params=greedy,
+                                  max_new_tokens=max_new_tokens, positions=lengths).tokens
+
+      start = time.perf_counter()
+      jax.block_until_ready(run())
+      first_call[mode] = time.perf_counter() - start
+      runs_by_mode[mode] = run
+  medians = _medians(time_round_robin(runs_by_mode, runs))
+  return {"batch": batch, "max_new_tokens": max_new_tokens, "runs": runs, "median_s": medians,
+          "first_call_s": first_call,
+          "ratio": {"invariant_vs_plain": medians["plain"] / medians["invariant"]}}
+
+
+def transformers_numerics_table(*, batches: Sequence[int] = HF_NUMERICS_BATCHES,
+                                runs: int = RUNS, max_new_tokens: int = 64, model=None,
+                                progress: Callable[[str], None] | None = None) -> list[dict]:
+  """`transformers_numerics_row` for each batch size; every row `{"batch", "skipped"}` when
+  transformers' Flax GPT-2 cannot be imported (or a row cannot run)."""
+  rows = []
+  try:
+    model = model or transformers_gpt2()
+  except Exception as e:  # pylint: disable=broad-except  # transformers<5 is an optional extra
+    why = (f"transformers with its Flax models (transformers<5) cannot be imported "
+           f"({type(e).__name__}: {e}); pip install 'transformers<5'")
+    return [{"batch": batch, "skipped": why} for batch in batches]
+  for batch in batches:
+    started = time.perf_counter()
+    try:
+      row = transformers_numerics_row(batch, runs=runs, max_new_tokens=max_new_tokens,
+                                      model=model)
+    except Exception as e:  # pylint: disable=broad-except
+      row = {"batch": batch, "skipped": f"{type(e).__name__}: {e}"}
+    rows.append(row)
+    if progress:
+      progress(f"numerics (transformers GPT-2) B={batch}: " + (
+          f"skipped ({row['skipped']})" if "skipped" in row
+          else f"{time.perf_counter() - started:.0f} s"))
+  return rows
+
+
 # ---------------------------------------------------------------------------------------------
 # Table 5: speculative decoding.
 
@@ -1210,9 +1336,10 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
 
   Returns:
     `{"command", "machine", "settings", "notes", "kernel", "decode", "beam", "numerics",
-    "speculative", "stream", "structured"}` (lists of the rows of `kernel_table`,
-    `decode_table`, `beam_table`, `numerics_table`, `spec_table`, `stream_table` and
-    `structured_table`), `settings["seconds"]` the total duration.
+    "numerics_transformers", "speculative", "stream", "structured"}` (lists of the rows of
+    `kernel_table`, `decode_table`, `beam_table`, `numerics_table`,
+    `transformers_numerics_table`, `spec_table`, `stream_table` and `structured_table`),
+    `settings["seconds"]` the total duration.
   """
   runs = runs or (QUICK_RUNS if quick else RUNS)
   started = time.perf_counter()
@@ -1243,12 +1370,15 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
                     max_new_tokens=max_new_tokens or (32 if quick else 64))
     beam_rows = beam_table(beam_models, runs=runs, batch=decode_batch,
                            max_new_tokens=settings["max_new_tokens"], progress=progress)
-  numerics_rows, spec_rows = [], []
+  numerics_rows, numerics_hf_rows, spec_rows = [], [], []
   if decode if numerics is None else numerics:
     settings.update(numerics_batches=[1, 8] if quick else list(BATCHES),
                     max_new_tokens=max_new_tokens or (32 if quick else 64))
     numerics_rows = numerics_table(batches=settings["numerics_batches"], runs=runs,
                                    max_new_tokens=settings["max_new_tokens"], progress=progress)
+    numerics_hf_rows = transformers_numerics_table(
+        batches=HF_NUMERICS_BATCHES, runs=runs, max_new_tokens=settings["max_new_tokens"],
+        progress=progress)
   if decode if spec is None else spec:
     settings.update(spec_batches=[1] if quick else [1, 8], spec_ks=[4] if quick else [2, 4, 8],
                     max_new_tokens=max_new_tokens or (32 if quick else 64))
@@ -1272,7 +1402,8 @@ def run_benchmarks(*, quick: bool = False, runs: int | None = None, decode: bool
   settings["seconds"] = time.perf_counter() - started
   return {"command": command, "machine": machine_info(), "settings": settings, "notes": notes,
           "kernel": kernel, "decode": decode_rows, "beam": beam_rows, "numerics": numerics_rows,
-          "speculative": spec_rows, "stream": stream_rows, "structured": structured_rows}
+          "numerics_transformers": numerics_hf_rows, "speculative": spec_rows,
+          "stream": stream_rows, "structured": structured_rows}
 
 
 _WIDTH = 100  # the width of the legend lines
@@ -1435,6 +1566,22 @@ def format_table(result: Mapping) -> str:
         "inv/plain tok/s: the batch-invariant numerics' tokens/s over plain XLA's (1.00 = free); "
         "compile: the first decode call of each mode (compilation included); late/early step: "
         f"one invariant step at position {late} over one at position 32.")
+  if result.get("numerics_transformers"):
+    config = ", ".join(f"{k} {v}" for k, v in HF_GPT2.items())
+    lines += _section(
+        [f"Numerics: greedy decode, {s['max_new_tokens']} new tokens, transformers' Flax GPT-2, "
+         f"batch_invariant vs plain XLA", f"({config}; random weights)"],
+        f"{'B':>3} {'inv ms':>8} {'plain ms':>8} {'inv/plain tok/s':>15} "
+        f"{'compile inv s':>13} {'plain s':>7}",
+        result["numerics_transformers"], lambda row: f"{row['batch']:>3}",
+        lambda row, r: (f"{row['batch']:>3} {row['median_s']['invariant'] * 1e3:>8.1f} "
+                        f"{row['median_s']['plain'] * 1e3:>8.1f} "
+                        f"{_fmt(r['invariant_vs_plain']):>15} "
+                        f"{row['first_call_s']['invariant']:>13.1f} "
+                        f"{row['first_call_s']['plain']:>7.1f}"),
+        "inv/plain tok/s: tokens/s with the prefill and step under jaxdecode.batch_invariant "
+        "over the same model's with plain XLA (1.00 = free); compile: each mode's first decode "
+        "call.")
   if result.get("speculative"):
     ks = s.get("spec_ks", [])
     lines += _section(
