@@ -13,8 +13,12 @@ With the model's batch-invariant numerics (the default) the sampler's and the tr
 log-probs are the same bits, although the trainer's batch is half the sampler's and its prompts
 are padded to another width: on the first minibatch (the weights that sampled) max |Δ| and the
 k3 KL estimate are exactly 0 and the PPO ratio is exactly 1, at every step; the example asserts
-it. `--plain` loads the same weights with XLA's plain kernels (`batch_invariant=False`): then
-they are not, and the ratio on policy is only close to 1 (what TIS/MIS corrections patch).
+it. `--plain` is the usual setup instead: the same weights with XLA's plain kernels
+(`load_draft(batch_invariant=False)`) for the sampler, and the model's training pass
+(`Transformer.__call__`, whole sequences, plain ops) as the trainer's forward. Then they are not
+0, and the ratio on policy is only close to 1 (the gap TIS/MIS corrections patch elsewhere).
+(Plain kernels through the inference pass `models.forward` happen to match the sampler's bits
+on XLA:CPU at these shapes; nothing promises it, on another backend or shape.)
 
 Each step prints one line: the mean reward, the sampler-trainer diagnostics on the first
 minibatch (`jaxdecode.logprob_diff`: max |Δ log-prob|, k3 KL, max |ratio - 1|), the loss, and
@@ -45,7 +49,7 @@ from jaxdecode import _files
 from jaxdecode import models
 from jaxdecode.tools import _args
 
-PROMPTS = ("x = ", "print(", "y = [", "if x ", "for i in ", "return ", "def f(", "while ")
+PROMPTS = ("x = ", "print(", "y = [", "return ", "z = (", "b = f(", "n = len(", "import ")
 SAMPLING = jaxdecode.SamplingParams(temperature=1.0)  # the sampler's and the trainer's
 CLIP = 0.2  # PPO's epsilon: the ratio is clipped to [0.8, 1.2]
 EPS = 1e-6  # in the advantage's denominator (a group with one reward has advantage 0)
@@ -70,13 +74,27 @@ def group_advantages(rewards: np.ndarray, group_size: int) -> np.ndarray:
   return centered.reshape(-1).astype(np.float32)
 
 
-def make_train_step(graphdef, optimizer, eos: int, pad: int):
+def make_train_step(graphdef, optimizer, eos: int, pad: int, *, plain: bool):
   """The jitted PPO step on one minibatch: `(weights, opt_state, batch) -> (weights, opt_state,
   loss, trainer log-probs [b, N], ratios [b, N])`, the log-probs and ratios at the weights
-  before the update."""
+  before the update.
+
+  The trainer's logits: `models.forward_fn` (the inference pass, the sampler's bits) or, with
+  `plain`, the model's training pass (`Transformer.__call__`, whole sequences with plain ops),
+  the forward an RL trainer usually has.
+  """
+
+  def training_pass(weights, tokens, lengths):
+    del lengths  # right padding only follows a row's tokens: it changes none of their logits
+    return nnx.merge(graphdef, weights)(tokens)
+
+  def logits_fn(weights):
+    if plain:
+      return jax.tree_util.Partial(training_pass, weights)
+    return models.forward_fn(graphdef, weights)
 
   def loss_fn(weights, batch):
-    scores = jaxdecode.score(models.forward_fn(graphdef, weights), batch["prompt_tokens"],
+    scores = jaxdecode.score(logits_fn(weights), batch["prompt_tokens"],
                              batch["prompt_lengths"], batch["tokens"], params=SAMPLING,
                              eos_ids=[eos], pad_id=pad)
     mask = batch["mask"]
@@ -121,7 +139,7 @@ def plot(curve: list, path: str, title: str) -> bool:
 
 def main(*, steps: int = 40, group_size: int = 8, prompts: int = 8, max_new_tokens: int = 16,
          seed: int = 0, plain: bool = False, quick: bool = False, out: str | None = None,
-         learning_rate: float = 3e-3) -> dict:
+         learning_rate: float = 3e-4) -> dict:
   """Runs GRPO and returns `{"rewards": mean reward per step, "max_abs", "k3", "ratio_gap"
   (first minibatch, per step), "loss", "seconds", "png"}`.
 
@@ -154,8 +172,9 @@ def main(*, steps: int = 40, group_size: int = 8, prompts: int = 8, max_new_toke
       [tok.encode(p) for p in texts for _ in range(group_size)], pad_id=tok.PAD, buckets=None)
   optimizer = optax.adam(learning_rate)
   opt_state = optimizer.init(weights)
-  train_step = make_train_step(graphdef, optimizer, tok.EOS, tok.PAD)
-  numerics = "plain (batch_invariant=False)" if plain else "batch-invariant"
+  train_step = make_train_step(graphdef, optimizer, tok.EOS, tok.PAD, plain=plain)
+  numerics = ("plain kernels (batch_invariant=False), the trainer's training pass" if plain else
+              "batch-invariant, the trainer's inference pass")
   print(f"GRPO on the draft model ({numerics}): {prompts} prompts x {group_size} samples, "
         f"{max_new_tokens} new tokens, {steps} steps, Adam {learning_rate:g}, clip {CLIP}")
   print("reward: the prompt + the completion's first line parses as Python (ast.parse)")
@@ -198,6 +217,9 @@ def main(*, steps: int = 40, group_size: int = 8, prompts: int = 8, max_new_toke
     print(f"step {step:3d}  reward {rewards.mean():.3f}  |Δ| max {float(gap.max_abs):.3g}  "
           f"k3 KL {float(gap.k3):.3g}  |ratio-1| max {ratio_gap:.3g}  loss {first_loss:+.4f}  "
           f"| minibatch 2: ratio {mean_ratio:.4f}, clipped {clipped:.1%}", flush=True)
+    if step in (1, steps):
+      samples = [texts[b] + gen.texts[b * group_size].split("\n")[0] for b in range(prompts)]
+      print(f"  samples: {samples}"[:160])
   seconds = time.perf_counter() - started
   rewards = history["rewards"]
   if len(rewards) >= 10:
