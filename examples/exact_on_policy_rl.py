@@ -164,8 +164,13 @@ def main(*, steps: int = 40, group_size: int = 8, prompts: int = 8, max_new_toke
     _files.check_output_file(out, "--out")  # before the run, not after it
   model = models.load_draft(batch_invariant=not plain)
   tok = models.ByteTokenizer()
-  graphdef, weights = nnx.split(model)
   texts = PROMPTS[:prompts]
+  room = model.config.max_len - max(len(tok.encode(p)) for p in texts)
+  if max_new_tokens > room:
+    raise ValueError(f"--max-new-tokens must be at most {room} (the draft model's context of "
+                     f"{model.config.max_len} tokens less the longest prompt); got "
+                     f"{max_new_tokens}")
+  graphdef, weights = nnx.split(model)
   rows = prompts * group_size
   # The trainer's prompts, padded to their own width (not generate's bucket): another layout.
   prompt_tokens, prompt_lengths = jaxdecode.right_pad(
