@@ -122,13 +122,13 @@ def plot(curve: list, path: str, title: str) -> bool:
     from matplotlib.figure import Figure
   except ImportError:
     return False
-  fig = Figure(figsize=(6, 3.2), dpi=100, layout="constrained")
+  fig = Figure(figsize=(6, 3.2), dpi=90, layout="constrained")
   FigureCanvasAgg(fig)
   ax = fig.subplots()
   ax.plot(np.arange(1, len(curve) + 1), curve, marker="o", markersize=3)
   ax.set_xlabel("GRPO step")
   ax.set_ylabel("mean reward (share that parses)")
-  ax.set_ylim(0, 1)
+  ax.set_ylim(0, 1.04)
   ax.grid(True, alpha=0.3)
   ax.set_title(title, fontsize=9)
   png = io.BytesIO()
@@ -240,8 +240,10 @@ def main(*, steps: int = 40, group_size: int = 8, prompts: int = 8, max_new_toke
           f"steps")
   png = None
   if out is not None:
-    title = (f"GRPO, draft model, {numerics}: {prompts} prompts x {group_size}, "
-             f"{max_new_tokens} tokens, seed {seed}")
+    label = "plain numerics" if plain else "batch-invariant numerics"
+    title = (f"GRPO on the draft model, {prompts} prompts x {group_size} samples, "
+             f"{max_new_tokens} tokens, seed {seed}\n{label}: on-policy |Δ| max "
+             f"{max(history['max_abs']):.3g}, k3 KL {max(history['k3']):.3g} (worst step)")
     if plot(rewards, out, title):
       png = out
       print(f"wrote {out}")
