@@ -184,6 +184,19 @@ def test_exact_on_policy_rl_plain_numerics_show_the_gap(capsys):
   assert "plain numerics: on policy |Δ| max up to" in out
 
 
+def test_exact_on_policy_rl_plot_is_optional(tmp_path, monkeypatch):
+  """The reward curve is a PNG written whole, with matplotlib; without it, no file and False
+  (main then says so)."""
+  example = load("exact_on_policy_rl.py")
+  path = tmp_path / "curve.png"
+  if importlib.util.find_spec("matplotlib") is not None:
+    assert example["plot"]([0.1, 0.5, 0.9], str(path), "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    path.unlink()
+  monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # not installed
+  assert not example["plot"]([0.1, 0.5, 0.9], str(path), "title") and not path.exists()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--prompts", "3"], "--prompts must be 2, 4, ... up to 8"),
     (["--group-size", "1"], "--group-size must be at least 2"),
