@@ -145,7 +145,8 @@ def main(*, steps: int = 40, group_size: int = 8, prompts: int = 8, max_new_toke
   Args:
     steps, group_size, prompts, max_new_tokens: the run's size (`quick` overrides all four).
     seed: step t samples with key `fold_in(key(seed), t)`.
-    plain: the model with XLA's plain kernels instead of batch-invariant numerics.
+    plain: the usual setup: the sampler with XLA's plain kernels (`batch_invariant=False`),
+      the trainer through the model's training pass.
     quick: QUICK's tiny sizes.
     out: a PNG path for the reward curve, or None.
     learning_rate: Adam's.
