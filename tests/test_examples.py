@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -144,3 +145,64 @@ def test_structured_output_matches_parses_validates_and_picks_a_label(capsys):
   date, answer, free = result["mixed"]  # one batch, a constraint per prompt (None: free text)
   assert re.fullmatch(example["DATE"], date) and answer in ("yes", "no") and free
   assert "matches its regex, parses and validates, or is one of the labels: True" in out
+
+
+def test_exact_on_policy_rl_trainer_log_probs_are_the_samplers_at_every_step(capsys):
+  """GRPO's quick mode: on the first minibatch of every step the trainer's log-probs
+  (jaxdecode.score under value_and_grad) are the sampler's bits (|Δ| max and k3 KL exactly 0,
+  every ratio exactly 1; the example asserts it too), the loss is finite, and each step prints
+  its line."""
+  example = load("exact_on_policy_rl.py")
+  result = example["main"](quick=True)
+  out = capsys.readouterr().out
+  steps = example["QUICK"]["steps"]
+  assert result["max_abs"] == [0.0] * steps and result["k3"] == [0.0] * steps
+  assert result["ratio_gap"] == [0.0] * steps
+  assert all(np.isfinite(result["loss"])) and len(result["rewards"]) == steps
+  assert all(0.0 <= r <= 1.0 for r in result["rewards"])
+  for step in range(1, steps + 1):
+    assert re.search(rf"^step +{step}  reward [01]\.\d{{3}}  \|Δ\| max 0  k3 KL 0  "
+                     rf"\|ratio-1\| max 0  loss [+-]\d", out, re.M), out
+  assert f"exactly 0 at all {steps} steps" in out
+  assert result["png"] is None  # no --out, no plot
+  # The reward is a program's verdict: the prompt plus the completion's first line parses.
+  assert example["reward"]("x = ", "1 + 2\nnot python (") == 1.0
+  assert example["reward"]("print(", "x") == 0.0
+  advantages = example["group_advantages"](np.array([1, 0, 0, 0, 1, 1, 1, 1], np.float32), 4)
+  np.testing.assert_allclose(advantages, [np.sqrt(3), -1 / np.sqrt(3), -1 / np.sqrt(3),
+                                          -1 / np.sqrt(3), 0, 0, 0, 0], rtol=1e-5)
+
+
+def test_exact_on_policy_rl_plain_numerics_show_the_gap(capsys):
+  """The negative control: plain kernels for the sampler and the training pass for the trainer
+  (--plain) give log-probs that differ (|Δ| > 0, ratio != 1 on policy), so the zeros above
+  come from the construction, not from a check that cannot fail."""
+  result = load("exact_on_policy_rl.py")["main"](quick=True, plain=True)
+  out = capsys.readouterr().out
+  assert all(gap > 0 for gap in result["max_abs"]) and all(g > 0 for g in result["ratio_gap"])
+  assert all(np.isfinite(result["loss"]))
+  assert "plain numerics: on policy |Δ| max up to" in out
+
+
+def test_exact_on_policy_rl_plot_is_optional(tmp_path, monkeypatch):
+  """The reward curve is a PNG written whole, with matplotlib; without it, no file and False
+  (main then says so)."""
+  example = load("exact_on_policy_rl.py")
+  path = tmp_path / "curve.png"
+  if importlib.util.find_spec("matplotlib") is not None:
+    assert example["plot"]([0.1, 0.5, 0.9], str(path), "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    path.unlink()
+  monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # not installed
+  assert not example["plot"]([0.1, 0.5, 0.9], str(path), "title") and not path.exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompts", "3"], "--prompts must be 2, 4, ... up to 8"),
+    (["--group-size", "1"], "--group-size must be at least 2"),
+    (["--steps", "0"], "argument --steps: expected a positive integer, got '0'")])
+def test_exact_on_policy_rl_refuses_bad_flags_in_one_line(flags, message):
+  result = subprocess.run([sys.executable, os.path.join(EXAMPLES, "exact_on_policy_rl.py"),
+                           *flags], capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2 and result.stdout == ""
+  assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr

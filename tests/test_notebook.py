@@ -137,6 +137,15 @@ def test_structured_cell_matches_its_regex_schema_and_choices(executed):
                    out)
 
 
+def test_rl_cell_trains_with_the_samplers_log_probs_bit_for_bit(executed):
+  nb, _ = executed
+  lines = _text(_cell(nb, "grpo_loss(")).splitlines()
+  assert len(lines) == 2, lines  # quick mode: two GRPO steps
+  for step, line in enumerate(lines, start=1):
+    assert re.fullmatch(rf"step {step}: reward [01]\.\d{{3}}, \|Δ\| max 0, k3 KL 0, every ratio "
+                        rf"exactly 1: True", line), line
+
+
 def test_sweep_cell_shows_the_plot_and_the_table(executed):
   nb, work = executed
   cell = _cell(nb, "run_sweep(")
