@@ -94,13 +94,19 @@ def right_aligned_prompt(prompt_tokens: jax.Array | None) -> jax.Array | None:
 def history(spec: LoopSpec, state: "LoopState") -> jax.Array:
   """int32[B, T + N]: each row's prompt (`spec.prompt`; none: T = 0) and new tokens so far,
   oldest first, its newest token at T + N - 1, -1 before its first."""
-  batch, n = state.tokens.shape
-  prompt = (jnp.zeros((batch, 0), jnp.int32) if spec.prompt is None else spec.prompt)
+  return history_of(spec.prompt, state.tokens, state.lengths)
+
+
+def history_of(prompt: jax.Array | None, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+  """`history` from its parts: `prompt` int32[B, T] right-aligned (`right_aligned_prompt`) or
+  None, the first `lengths[b]` of `tokens` int32[B, N] (what `jaxdecode.metrics` replays)."""
+  batch, n = tokens.shape
+  prompt = jnp.zeros((batch, 0), jnp.int32) if prompt is None else prompt
   column = jnp.arange(n, dtype=jnp.int32)[None, :]
-  new = jnp.where(column < state.lengths[:, None], state.tokens, -1)
+  new = jnp.where(column < lengths[:, None], tokens, -1)
   full = jnp.concatenate([prompt, new], axis=1)  # [B, T + N], padding after the new tokens
   width = full.shape[1]
-  source = jnp.arange(width, dtype=jnp.int32)[None, :] - (n - state.lengths)[:, None]
+  source = jnp.arange(width, dtype=jnp.int32)[None, :] - (n - lengths)[:, None]
   return jnp.where(source >= 0, jnp.take_along_axis(full, jnp.maximum(source, 0), axis=1), -1)
 
 

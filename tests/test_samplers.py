@@ -3,6 +3,7 @@ exact against the plain-Python references of tests/reference.py on hostile rows,
 with every loop (decode, speculative, beam search, constraints) with rows bitwise the same
 alone and batched."""
 
+import functools
 import re
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 from scipy import stats
 
 import jaxdecode
-from jaxdecode import SamplingParams, processors, sampling
+from jaxdecode import SamplingParams, metrics, processors, sampling
 import reference as ref
 import toy_model
 
@@ -555,3 +556,128 @@ def test_the_new_rules_compose_with_a_constraint_in_decode_and_speculative_decod
   for b in np.flatnonzero(finished):
     text = bytes(letters[t][0] for t in np.asarray(out.tokens[b, :out.lengths[b] - 1]))
     assert re.fullmatch(rb"(ab|c|de)+", text), text
+
+
+# ---------------------------------------------------------------------------------------------
+# The entropy metric replays the loop: history, XTC's coin and mirostat's mu.
+
+REPLAY_V, REPLAY_N = 8, 7
+REPLAY_PROMPTS = [[1, 2, 3, 1, 2], [4, 4], [5, 2, 5, 2]]
+REPLAY_PARAMS = SamplingParams(
+    dry_multiplier=np.array([0.8, 0.0, 1.5], np.float32),
+    dry_allowed_length=np.array([2, 2, 1], np.int32),
+    no_repeat_ngram_size=np.array([3, 0, 0], np.int32),
+    xtc_threshold=np.array([0.1, 0.1, 0.12], np.float32),
+    xtc_probability=np.array([0.5, 0.0, 1.0], np.float32),
+    mirostat=np.array([2, 2, 0], np.int32),
+    mirostat_tau=np.array([2.0, 2.5, 5.0], np.float32),
+    mirostat_eta=np.array([0.3, 0.5, 0.1], np.float32),
+    bad_words=[None, None, [[2, 5]]])
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def xtc_coins(key, batch, steps):
+  """[B, N]: the uniform of fold_in(fold_in(fold_in(key, b), t), XTC_SALT), the key policy."""
+  def coin(b, t):
+    row_key = jax.random.fold_in(jax.random.fold_in(key, b), t)
+    return jax.random.uniform(jax.random.fold_in(row_key, processors.XTC_SALT))
+  return jax.vmap(lambda b: jax.vmap(lambda t: coin(b, t))(jnp.arange(steps)))(jnp.arange(batch))
+
+
+def replay_reference(logits, params, prompts, key, rng, *, frozen_mu=False, prompt=True):
+  """decode's steps in float64 from the published definitions (tests/reference.py), drawing
+  each token from the kept distribution with `rng`: (tokens [B, N], entropies [B, N], the
+  smallest distance of a kept-set decision to its cut). XTC's coin is the uniform of
+  fold_in(fold_in(fold_in(key, row), t), XTC_SALT), the key policy written out."""
+  host = jax.tree.map(np.asarray, params.broadcast(len(prompts), REPLAY_V))
+  batch, steps, vocab = logits.shape
+  coins = np.asarray(xtc_coins(key, batch, steps))
+  tokens = np.zeros((batch, steps), np.int32)
+  entropies = np.zeros((batch, steps))
+  margin = np.inf
+  for b in range(batch):
+    mu = 2.0 * float(host.mirostat_tau[b])
+    seen = list(prompts[b]) if prompt else []
+    for t in range(steps):
+      x = np.asarray(logits[b, t], np.float64)
+      banned = ref.no_repeat_ngram_banned(seen, int(host.no_repeat_ngram_size[b]))
+      banned |= ref.bad_words_banned(seen, [[int(v) for v in w if v >= 0]
+                                            for w in host.bad_words[b] if w[0] >= 0])
+      x[sorted(banned)] = -INF
+      x = x - ref.dry_penalties(seen, vocab, float(host.dry_multiplier[b]),
+                                float(host.dry_base[b]), int(host.dry_allowed_length[b]),
+                                int(host.dry_penalty_last_n[b]), [])
+      keep, _ = ref.xtc_keep(x, float(host.xtc_threshold[b]),
+                             coins[b, t] < host.xtc_probability[b])
+      probs = ref.softmax64(x)
+      if float(host.xtc_probability[b]) > 0:
+        margin = min(margin, np.min(np.abs(probs[x > -INF] - host.xtc_threshold[b])))
+      x = np.where(keep, x, -INF)
+      probs = ref.softmax64(x)
+      if host.mirostat[b] == 2:
+        with np.errstate(divide="ignore"):
+          surprise = -np.log2(probs)
+        margin = min(margin, np.min(np.abs(surprise[probs > 0] - mu)))
+        probs = np.where((surprise <= mu) | (probs == probs.max()), probs, 0.0)
+        probs = probs / probs.sum()
+      entropies[b, t] = -sum(p * np.log(p) for p in probs if p > 0)
+      token = int(rng.choice(vocab, p=probs))
+      tokens[b, t] = token
+      if host.mirostat[b] == 2 and not frozen_mu:
+        mu -= float(host.mirostat_eta[b]) * (-np.log2(probs[token]) - float(host.mirostat_tau[b]))
+      seen.append(token)
+  return tokens, entropies, margin
+
+
+@pytest.mark.slow  # compiling the replayed chain takes most of its 6-15 s
+def test_step_entropies_replay_history_xtc_coin_and_mirostat_mu_against_a_reference():
+  logits = np.random.default_rng(11).normal(size=(3, REPLAY_N, REPLAY_V)).astype(np.float32)
+  key = jax.random.key(5)
+  tokens, expected, margin = replay_reference(logits, REPLAY_PARAMS, REPLAY_PROMPTS, key,
+                                              np.random.default_rng(12))
+  assert margin > 1e-5  # no decision of this draw sits on a float32 rounding boundary
+  prompt_tokens = np.full((3, 6), -1, np.int32)
+  for b, p in enumerate(REPLAY_PROMPTS):
+    prompt_tokens[b, 6 - len(p):] = p  # left-padded: decode takes padding at either end
+  lengths = np.array([REPLAY_N, REPLAY_N, 4])
+  got = metrics.step_entropies(jnp.asarray(logits), REPLAY_PARAMS, lengths, tokens=tokens,
+                               prompt_tokens=prompt_tokens, key=key)
+  want = np.where(np.arange(REPLAY_N) < lengths[:, None], expected, 0.0)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5)
+  # Negative controls: the reference without mu's updates, or without the prompt, differs from
+  # the one checked along the same tokens, so a metric that dropped either would fail above.
+  for variant in (dict(frozen_mu=True), dict(prompt=False)):
+    other_tokens, other, _ = replay_reference(logits, REPLAY_PARAMS, REPLAY_PROMPTS, key,
+                                              np.random.default_rng(12), **variant)
+    first = np.argmax(np.any(other_tokens != tokens, axis=0)) if np.any(
+        other_tokens != tokens) else REPLAY_N
+    assert np.max(np.abs(other[:, :first] - expected[:, :first])) > 1e-3, variant
+  with pytest.raises(ValueError, match="pass tokens="):
+    metrics.step_entropies(jnp.asarray(logits), REPLAY_PARAMS, lengths)
+  with pytest.raises(ValueError, match="pass key="):
+    metrics.step_entropies(jnp.asarray(logits), REPLAY_PARAMS, lengths, tokens=tokens)
+
+
+@pytest.mark.slow
+def test_step_entropies_replay_is_decode_bit_for_bit():
+  """The replay's log-probability of each drawn token is bitwise decode's, every rule on (so
+  its history, XTC coins and mu are decode's); step_entropies returns the replay's entropies
+  (0 for the greedy rows)."""
+  key = jax.random.key(9)
+  out = run_decode(LOOP_PARAMS, key)
+  tokens = np.asarray(out.tokens)
+  previous = np.concatenate([[[p[-1]] for p in PROMPTS], tokens[:, :-1]], axis=1)
+  logits = jnp.asarray(BIGRAM)[previous]  # [B, N, V]: the bigram model's logits at each step
+  params = LOOP_PARAMS.broadcast(len(PROMPTS), VOCAB)
+  start = jnp.zeros((len(PROMPTS), VOCAB), jnp.int32)
+  row_keys = processors.row_keys(key, len(PROMPTS))
+  prompt = jaxdecode.loop.right_aligned_prompt(prompt_array())
+  h, logprobs = metrics._replay(logits, params, out.lengths, jnp.asarray(tokens), start, prompt,
+                                row_keys)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(logprobs, out.logprobs)
+  assert (np.asarray(out.lengths) == N).all()
+  got = metrics.step_entropies(logits, LOOP_PARAMS, out.lengths, tokens=tokens,
+                               prompt_tokens=prompt_array(), key=key)
+  np.testing.assert_array_equal(got, h)
+  assert np.all(np.asarray(h)[0] == 0) and np.all(np.asarray(h)[1:] >= 0)
+  assert np.any(np.asarray(h) > 0.1)
