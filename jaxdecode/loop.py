@@ -194,6 +194,14 @@ def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array
     keys: the keys the step's tokens are drawn with (XTC's draw folds them); None for a loop
       that draws nothing (beam search: XTC then acts only where its probability is 1).
   """
+  return processors.process_f32(_chain_inputs(spec, state, logits, step), spec.params,
+                                state.counts, keys, history(spec, state), state.mirostat_mu)
+
+
+def _chain_inputs(spec: LoopSpec, state: LoopState, logits: jax.Array,
+                  step: jax.Array) -> jax.Array:
+  """The logits `process` hands the chain: the constraint's mask, the user processors, EOS
+  masked before `min_new_tokens`."""
   if spec.constraint is not None:
     logits = jnp.where(structured.allowed(spec.constraint, state.automaton),
                        logits.astype(jnp.float32), -jnp.inf)
@@ -206,8 +214,16 @@ def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array
   logits = _platform.skip_unless(
       jnp.any(blocked) & jnp.any(spec.is_eos),
       lambda x: jnp.where(blocked[:, None] & spec.is_eos[None, :], -jnp.inf, x), logits)
-  return processors.process_f32(logits, spec.params, state.counts, keys, history(spec, state),
-                                state.mirostat_mu)
+  return logits
+
+
+def process_probs(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array,
+                  keys: jax.Array) -> tuple:
+  """`process`, with the processed rows' `(e, m)` (`processors.process_f32_probs`) for the
+  draw."""
+  return processors.process_f32_probs(_chain_inputs(spec, state, logits, step), spec.params,
+                                      state.counts, keys, history(spec, state),
+                                      state.mirostat_mu)
 
 
 def draw(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array):
@@ -222,8 +238,8 @@ def draw_processed(spec: LoopSpec, state: LoopState, logits: jax.Array, step: ja
   """`draw`, also returning the processed logits it drew from: `(tokens, logprobs, processed
   float32[B, V])` (for the log-probability lists of `decode(top_logprobs=...)`)."""
   keys = jax.vmap(jax.random.fold_in)(spec.row_keys, step)
-  processed = process(spec, state, logits, step, keys)
-  token, logprob = sampling.draw(keys, processed)
+  processed, probs = process_probs(spec, state, logits, step, keys)
+  token, logprob = sampling.draw(keys, processed, probs)
   return token, logprob, processed
 
 

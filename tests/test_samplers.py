@@ -681,3 +681,113 @@ def test_step_entropies_replay_is_decode_bit_for_bit():
   np.testing.assert_array_equal(got, h)
   assert np.all(np.asarray(h)[0] == 0) and np.all(np.asarray(h)[1:] >= 0)
   assert np.any(np.asarray(h) > 0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Restructured computations give the bits of the plain ones.
+
+
+def _old_top_n_sigma(x, n):
+  """apply_top_n_sigma as first written (float count, max over the scaled row): the bits the
+  restructured one must keep."""
+  from jaxdecode import _reduce  # pylint: disable=import-outside-toplevel
+  finite = x > -jnp.inf
+  count = _reduce.row_sum(finite.astype(jnp.float32), keepdims=True)
+  largest = jnp.max(jnp.where(finite, jnp.abs(x), 0.0), axis=-1, keepdims=True)
+  _, e = jnp.frexp(largest)
+  e = jnp.maximum(e, 0)
+  half = e // 2
+  scale_a = jax.lax.bitcast_convert_type((127 - half) << 23, jnp.float32)
+  scale_b = jax.lax.bitcast_convert_type((127 - (e - half)) << 23, jnp.float32)
+  y = jnp.where(finite, (x * scale_a) * scale_b, 0.0)
+  safe_count = jnp.maximum(count, 1.0)
+  mean = _reduce.row_sum(y, keepdims=True) / safe_count
+  var = _reduce.row_sum(jnp.where(finite, jnp.square(y - mean), 0.0), keepdims=True) / safe_count
+  top = jnp.max(jnp.where(finite, y, -jnp.inf), axis=-1, keepdims=True)
+  cutoff = top - n[:, None] * jnp.sqrt(var)
+  return jnp.where((n > 0)[:, None] & finite & (y < cutoff), -jnp.inf, x)
+
+
+def _old_temperature(x, t):
+  """apply_temperature as first written (the shift computed whenever a row has t < 1)."""
+  greedy_rows = (t == 0)[:, None]
+  t_safe = jnp.where(greedy_rows, 1.0, t[:, None])
+  scaled = jnp.where(x == -jnp.inf, -jnp.inf, x / t_safe)
+  overflow = jnp.any(jnp.isinf(scaled) & (x > -jnp.inf), axis=-1, keepdims=True)
+  m = jnp.max(x, axis=-1, keepdims=True)
+  shifted = jnp.where(x == -jnp.inf, -jnp.inf, (x - m) / t_safe)
+  scaled = jnp.where(overflow, shifted, scaled)
+  iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  one_hot = jnp.where(iota == processors.first_argmax(x)[:, None], x, -jnp.inf)
+  return jnp.where(greedy_rows, one_hot, scaled)
+
+
+@pytest.mark.parametrize("mode", ["branches", "straight"])
+def test_restructured_top_n_sigma_temperature_and_runs_keep_their_bits(mode):
+  from jaxdecode import _platform  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(31)
+  rows = np.concatenate([hygiene_rows(), rng.normal(size=(6, 6)).astype(np.float32) * 1e3,
+                         rng.standard_cauchy(size=(4, 6)).astype(np.float32)])
+  x = jnp.asarray(rows)
+  n = jnp.asarray(rng.choice([0.0, 0.5, 1.0, 2.0], len(rows)), jnp.float32)
+  t = jnp.asarray(rng.choice([0.0, 1e-38, 0.3, 1.0, 2.0], len(rows)), jnp.float32)
+  history = np.tile([0, 1, 2, 0, 1, 1], (5, 4)) ^ (rng.random((5, 24)) < 0.1)  # repeats
+  history[1, :5] = -1  # padding at the start
+  history = jnp.asarray(history, jnp.int32)
+  start = jnp.asarray([0, 3, 10, 23, 24], jnp.int32)
+  with _platform.forced(mode):
+    sigma = jax.jit(processors.apply_top_n_sigma)(x, n)
+    temp = jax.jit(processors.apply_temperature)(x, t)
+    runs = jax.jit(lambda h, s: processors.window_runs(processors.history_runs(h), s))(
+        history, start)
+    direct = jax.jit(processors.suffix_runs)(history, start)
+  np.testing.assert_array_equal(sigma, jax.jit(_old_top_n_sigma)(x, n))
+  np.testing.assert_array_equal(temp, jax.jit(_old_temperature)(x, t))
+  np.testing.assert_array_equal(runs, direct)
+  assert np.any(np.isinf(np.asarray(sigma)) & np.isfinite(rows))  # top-nσ cut something
+  assert np.asarray(direct).max() >= 3  # some runs, and bounded ones, were compared
+
+
+def hygiene_rows():
+  return np.stack([hygiene(r) for r in ROWS]).astype(np.float32)
+
+
+@pytest.mark.slow  # two chains compiled per formulation: 10-15 s
+@pytest.mark.parametrize("mode", ["branches", "straight"])
+def test_chain_hands_the_draw_the_bits_of_its_own_probabilities(mode):
+  """process_f32_probs returns process_f32's logits and bitwise unnormalized_probs of them,
+  with XTC acting (its most probable tokens gone) and mirostat cutting, so a draw that takes
+  them gives the tokens and log-probabilities of one that computes them."""
+  from jaxdecode import _platform, threshold  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(32)
+  x = jnp.asarray(np.concatenate([ROWS, rng.normal(size=(10, 6)).astype(np.float32) * 3]))
+  rows = x.shape[0]
+  params = SamplingParams(
+      xtc_threshold=0.1, xtc_probability=jnp.asarray(rng.choice([0.0, 0.5, 1.0], rows),
+                                                     jnp.float32),
+      mirostat=jnp.asarray(rng.choice([0, 2], rows), jnp.int32),
+      temperature=jnp.asarray(rng.choice([0.0, 0.7, 1.0], rows), jnp.float32),
+      min_p=jnp.asarray(rng.choice([0.0, 0.1], rows), jnp.float32)).broadcast(rows, 6)
+  keys = jax.random.split(jax.random.key(4), rows)
+  mu = jnp.asarray(rng.uniform(0.0, 3.0, rows), jnp.float32)
+
+  def both(x, params, keys, mu):
+    params = params.sanitized()
+    plain = processors.process_f32(x, params, None, keys, None, mu)
+    processed, probs = processors.process_f32_probs(x, params, None, keys, None, mu)
+    return (plain, processed, probs, threshold.unnormalized_probs(processed),
+            sampling.draw(keys, processed), sampling.draw(keys, processed, probs))
+
+  with _platform.forced(mode):
+    plain, processed, probs, expected, drawn, drawn_with = jax.jit(both)(x, params, keys, mu)
+  np.testing.assert_array_equal(processed, plain)
+  np.testing.assert_array_equal(probs[0], expected[0])
+  np.testing.assert_array_equal(probs[1], expected[1])
+  np.testing.assert_array_equal(drawn_with[0], drawn[0])
+  np.testing.assert_array_equal(drawn_with[1], drawn[1])
+  # XTC removed some row's most probable token and mirostat cut: the reuse was exercised.
+  xtc_only = processors.process_f32(x, params.replace(mirostat=jnp.zeros(rows, jnp.int32))
+                                    .sanitized(), None, keys, None, mu)
+  cut = jnp.max(xtc_only, axis=-1) < jnp.max(processors.remove_nan(x), axis=-1)
+  assert np.any(np.asarray(cut) & (np.asarray(params.temperature) > 0))
+  assert np.sum(np.isfinite(np.asarray(plain))) < np.sum(np.isfinite(np.asarray(xtc_only)))
