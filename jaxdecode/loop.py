@@ -217,15 +217,6 @@ def _chain_inputs(spec: LoopSpec, state: LoopState, logits: jax.Array,
   return logits
 
 
-def process_probs(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array,
-                  keys: jax.Array) -> tuple:
-  """`process`, with the processed rows' `(e, m)` (`processors.process_f32_probs`) for the
-  draw."""
-  return processors.process_f32_probs(_chain_inputs(spec, state, logits, step), spec.params,
-                                      state.counts, keys, history(spec, state),
-                                      state.mirostat_mu)
-
-
 def draw(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array):
   """Step `step[b]` of each row: `(tokens int32[B], logprobs float32[B])`, as `decode` draws it:
   `process`, then one inverse-CDF draw with key `fold_in(row_key, step)`. Rows that are not live
@@ -238,8 +229,9 @@ def draw_processed(spec: LoopSpec, state: LoopState, logits: jax.Array, step: ja
   """`draw`, also returning the processed logits it drew from: `(tokens, logprobs, processed
   float32[B, V])` (for the log-probability lists of `decode(top_logprobs=...)`)."""
   keys = jax.vmap(jax.random.fold_in)(spec.row_keys, step)
-  processed, probs = process_probs(spec, state, logits, step, keys)
-  token, logprob = sampling.draw(keys, processed, probs)
+  processed, (token, logprob) = processors.process_and_draw(
+      _chain_inputs(spec, state, logits, step), spec.params, state.counts, keys,
+      history(spec, state), state.mirostat_mu, lambda x, probs: sampling.draw(keys, x, probs))
   return token, logprob, processed
 
 

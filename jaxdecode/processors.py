@@ -778,18 +778,52 @@ def process_f32(logits: jax.Array, params: SamplingParams,
   return _platform.by_platform(_process_f32, logits, params, counts, keys, history, mu)
 
 
-def process_f32_probs(logits: jax.Array, params: SamplingParams,
-                      counts: jax.Array | None = None, keys: jax.Array | None = None,
-                      history: jax.Array | None = None, mu: jax.Array | None = None):
-  """`process_f32` and the processed row's `(e, m) = threshold.unnormalized_probs(x)`, bitwise:
-  `(x float32[B, V], (e float32[B, V], m float32[B, 1]))`. XTC and mirostat (the chain's last
-  steps) need them and pass them on, so a draw (`sampling.inverse_cdf(..., probs=)`) does not
-  compute them a third time."""
-  return _platform.by_platform(functools.partial(_process_f32, with_probs=True), logits, params,
+def process_and_draw(logits: jax.Array, params: SamplingParams, counts: jax.Array | None,
+                     keys: jax.Array | None, history: jax.Array | None, mu: jax.Array | None,
+                     draw):
+  """`(x, draw(x, probs))` with x = `process_f32(...)`: the processed logits and a draw from
+  them, where `draw(x, probs)` takes `probs` = `threshold.unnormalized_probs(x)` bitwise, or
+  None (then it computes them itself).
+
+  XTC and mirostat, the chain's last steps, need exp(x - max) and pass it on (a row keeps its
+  most probable token under mirostat, and one XTC acted on gets it computed again), so the draw
+  does not compute it a third time. Where no row uses either (a `lax.cond` on CPU and TPU),
+  the draw gets None and computes it inside its own fused pass, as without them.
+  """
+  return _platform.by_platform(functools.partial(_process_and_draw, draw=draw), logits, params,
                                counts, keys, history, mu)
 
 
-def _process_f32(logits, params, counts, keys, history, mu, with_probs=False):
+def _process_and_draw(logits, params, counts, keys, history, mu, draw):
+  x, mu = _head(logits, params, counts, keys, history, mu)
+  xtc_on = (params.xtc_probability > 0) & (params.xtc_threshold <= 0.5)
+
+  def tail():
+    y, probs = tail_with_probs(x, params, keys, mu)
+    return y, draw(y, probs)
+
+  return _platform.when(jnp.any(xtc_on) | jnp.any(params.mirostat == 2), tail,
+                        lambda: (x, draw(x, None)))
+
+
+def tail_with_probs(x: jax.Array, params: SamplingParams, keys: jax.Array | None,
+                    mu: jax.Array):
+  """XTC then mirostat on x (the chain after eta), passing exp(x - max) along: `(x', (e, m))`
+  with (e, m) bitwise `threshold.unnormalized_probs(x')`."""
+  probs = threshold.unnormalized_probs(x)
+  x, probs = apply_xtc_probs(x, probs, params.xtc_threshold, params.xtc_probability, keys)
+  return apply_mirostat_probs(x, probs, params.mirostat, mu)
+
+
+def _process_f32(logits, params, counts, keys, history, mu):
+  x, mu = _head(logits, params, counts, keys, history, mu)
+  x = apply_xtc(x, params.xtc_threshold, params.xtc_probability, keys)
+  return apply_mirostat(x, params.mirostat, mu)
+
+
+def _head(logits, params, counts, keys, history, mu):
+  """The chain up to eta (everything before XTC and mirostat): `(x, mu)`, mu the state to cut
+  with (2·mirostat_tau where the caller has none)."""
   x = remove_nan(logits)
   x = apply_token_sets(x, params.banned_token_ids, params.allowed_token_ids)
   runs = None
@@ -817,13 +851,7 @@ def _process_f32(logits, params, counts, keys, history, mu, with_probs=False):
   x = apply_typical_p(x, params.typical_p)
   x = apply_epsilon_cutoff(x, params.epsilon_cutoff)
   x = apply_eta_cutoff(x, params.eta_cutoff)
-  mu = 2.0 * params.mirostat_tau if mu is None else mu
-  if not with_probs:
-    x = apply_xtc(x, params.xtc_threshold, params.xtc_probability, keys)
-    return apply_mirostat(x, params.mirostat, mu)
-  probs = threshold.unnormalized_probs(x)
-  x, probs = apply_xtc_probs(x, probs, params.xtc_threshold, params.xtc_probability, keys)
-  return apply_mirostat_probs(x, probs, params.mirostat, mu)
+  return x, 2.0 * params.mirostat_tau if mu is None else mu
 
 
 def cast_saturating(x: jax.Array, dtype) -> jax.Array:

@@ -114,7 +114,8 @@ def sample_rows(keys: jax.Array, logits: jax.Array, params: SamplingParams,
   n-gram and bad-word bans; XTC's draw comes from `fold_in(keys[b], XTC_SALT)`. Returns
   (int32[B] tokens, float32[B] logprobs).
   """
-  return draw(keys, *processors.process_f32_probs(logits, params, counts, keys, history))
+  return processors.process_and_draw(logits, params, counts, keys, history, None,
+                                    lambda x, probs: draw(keys, x, probs))[1]
 
 
 @jax.jit

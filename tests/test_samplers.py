@@ -752,12 +752,12 @@ def hygiene_rows():
   return np.stack([hygiene(r) for r in ROWS]).astype(np.float32)
 
 
-@pytest.mark.slow  # two chains compiled per formulation: 10-15 s
+@pytest.mark.slow  # two chains compiled per formulation
 @pytest.mark.parametrize("mode", ["branches", "straight"])
 def test_chain_hands_the_draw_the_bits_of_its_own_probabilities(mode):
-  """process_f32_probs returns process_f32's logits and bitwise unnormalized_probs of them,
-  with XTC acting (its most probable tokens gone) and mirostat cutting, so a draw that takes
-  them gives the tokens and log-probabilities of one that computes them."""
+  """process_and_draw hands the draw process_f32's logits and bitwise unnormalized_probs of
+  them, with XTC acting (its most probable tokens gone) and mirostat cutting, so its tokens and
+  log-probabilities are those of a draw that computes them."""
   from jaxdecode import _platform, threshold  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(32)
   x = jnp.asarray(np.concatenate([ROWS, rng.normal(size=(10, 6)).astype(np.float32) * 3]))
@@ -773,14 +773,18 @@ def test_chain_hands_the_draw_the_bits_of_its_own_probabilities(mode):
 
   def both(x, params, keys, mu):
     params = params.sanitized()
-    plain = processors.process_f32(x, params, None, keys, None, mu)
-    processed, probs = processors.process_f32_probs(x, params, None, keys, None, mu)
-    return (plain, processed, probs, threshold.unnormalized_probs(processed),
-            sampling.draw(keys, processed), sampling.draw(keys, processed, probs))
+    head = processors.process_f32(x, params.replace(xtc_probability=0.0 * mu, mirostat=0 * (
+        params.mirostat)), None, keys, None, mu)  # the chain up to eta
+    tail, probs = processors.tail_with_probs(head, params, keys, mu)
+    processed, drawn_with = processors.process_and_draw(
+        x, params, None, keys, None, mu, lambda y, p: sampling.draw(keys, y, p))
+    return (processed, tail, probs, threshold.unnormalized_probs(tail),
+            sampling.draw(keys, processed), drawn_with)
 
   with _platform.forced(mode):
-    plain, processed, probs, expected, drawn, drawn_with = jax.jit(both)(x, params, keys, mu)
-  np.testing.assert_array_equal(processed, plain)
+    processed, tail, probs, expected, drawn, drawn_with = jax.jit(both)(x, params, keys, mu)
+  # (process_and_draw's logits and draws against process_f32 + draw: the decode tests above.)
+  np.testing.assert_array_equal(tail, processed)
   np.testing.assert_array_equal(probs[0], expected[0])
   np.testing.assert_array_equal(probs[1], expected[1])
   np.testing.assert_array_equal(drawn_with[0], drawn[0])
@@ -790,4 +794,4 @@ def test_chain_hands_the_draw_the_bits_of_its_own_probabilities(mode):
                                     .sanitized(), None, keys, None, mu)
   cut = jnp.max(xtc_only, axis=-1) < jnp.max(processors.remove_nan(x), axis=-1)
   assert np.any(np.asarray(cut) & (np.asarray(params.temperature) > 0))
-  assert np.sum(np.isfinite(np.asarray(plain))) < np.sum(np.isfinite(np.asarray(xtc_only)))
+  assert np.sum(np.isfinite(np.asarray(processed))) < np.sum(np.isfinite(np.asarray(xtc_only)))
