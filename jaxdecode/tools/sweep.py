@@ -30,9 +30,9 @@ Outputs in the `out` folder:
   log-likelihood, each point labelled by its setting;
 - `samples.txt`: every setting's continuation of every prompt, to read.
 
-Duration on 2 shared CPU cores: the default grid (8 prompts x 13 settings = 104 rows of 160 new
-tokens) about 2 minutes, nearly all of it the decode; `--quick` (3 prompts x 24 new tokens) about
-20 s, mostly compiling.
+Duration on 2 shared CPU cores: the default grid (8 prompts x 22 settings = 176 rows of 160 new
+tokens) about 3 minutes (measured 168 s on a loaded machine, 74 s of it the decode); `--quick` (3
+prompts x 24 new tokens) about a minute, mostly compiling.
 """
 
 from __future__ import annotations
