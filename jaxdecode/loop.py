@@ -229,9 +229,8 @@ def draw_processed(spec: LoopSpec, state: LoopState, logits: jax.Array, step: ja
   """`draw`, also returning the processed logits it drew from: `(tokens, logprobs, processed
   float32[B, V])` (for the log-probability lists of `decode(top_logprobs=...)`)."""
   keys = jax.vmap(jax.random.fold_in)(spec.row_keys, step)
-  processed, (token, logprob) = processors.process_and_draw(
-      _chain_inputs(spec, state, logits, step), spec.params, state.counts, keys,
-      history(spec, state), state.mirostat_mu, lambda x, probs: sampling.draw(keys, x, probs))
+  processed = process(spec, state, logits, step, keys)
+  token, logprob = sampling.draw(keys, processed)
   return token, logprob, processed
 
 

@@ -778,32 +778,13 @@ def process_f32(logits: jax.Array, params: SamplingParams,
   return _platform.by_platform(_process_f32, logits, params, counts, keys, history, mu)
 
 
-def process_and_draw(logits: jax.Array, params: SamplingParams, counts: jax.Array | None,
-                     keys: jax.Array | None, history: jax.Array | None, mu: jax.Array | None,
-                     draw):
-  """`(x, draw(x, probs))` with x = `process_f32(...)`: the processed logits and a draw from
-  them, where `draw(x, probs)` takes `probs` = `threshold.unnormalized_probs(x)` bitwise, or
-  None (then it computes them itself).
-
-  XTC and mirostat, the chain's last steps, need exp(x - max) and pass it on (a row keeps its
-  most probable token under mirostat, and one XTC acted on gets it computed again), so the draw
-  does not compute it a third time. Where no row uses either (a `lax.cond` on CPU and TPU),
-  the draw gets None and computes it inside its own fused pass, as without them.
-  """
-  return _platform.by_platform(functools.partial(_process_and_draw, draw=draw), logits, params,
-                               counts, keys, history, mu)
-
-
-def _process_and_draw(logits, params, counts, keys, history, mu, draw):
+def _process_f32(logits, params, counts, keys, history, mu):
   x, mu = _head(logits, params, counts, keys, history, mu)
+  # XTC and mirostat in one branch, passing exp(x - max) from the one to the other; skipped
+  # (on CPU and TPU) where no row uses either.
   xtc_on = (params.xtc_probability > 0) & (params.xtc_threshold <= 0.5)
-
-  def tail():
-    y, probs = tail_with_probs(x, params, keys, mu)
-    return y, draw(y, probs)
-
-  return _platform.when(jnp.any(xtc_on) | jnp.any(params.mirostat == 2), tail,
-                        lambda: (x, draw(x, None)))
+  return _platform.skip_unless(jnp.any(xtc_on) | jnp.any(params.mirostat == 2),
+                               lambda x: tail_with_probs(x, params, keys, mu)[0], x)
 
 
 def tail_with_probs(x: jax.Array, params: SamplingParams, keys: jax.Array | None,
@@ -813,12 +794,6 @@ def tail_with_probs(x: jax.Array, params: SamplingParams, keys: jax.Array | None
   probs = threshold.unnormalized_probs(x)
   x, probs = apply_xtc_probs(x, probs, params.xtc_threshold, params.xtc_probability, keys)
   return apply_mirostat_probs(x, probs, params.mirostat, mu)
-
-
-def _process_f32(logits, params, counts, keys, history, mu):
-  x, mu = _head(logits, params, counts, keys, history, mu)
-  x = apply_xtc(x, params.xtc_threshold, params.xtc_probability, keys)
-  return apply_mirostat(x, params.mirostat, mu)
 
 
 def _head(logits, params, counts, keys, history, mu):

@@ -35,7 +35,7 @@ def _first_true(mask: jax.Array) -> jax.Array:
   return lax.argmax(mask, mask.ndim - 1, jnp.int32)
 
 
-def inverse_cdf(x: jax.Array, u: jax.Array, probs=None):
+def inverse_cdf(x: jax.Array, u: jax.Array):
   """Draws one token per row from softmax(x), given one uniform in [0, 1) per row.
 
   The cumulative distribution runs over the tokens in a fixed order that suits a batch-invariant
@@ -47,7 +47,6 @@ def inverse_cdf(x: jax.Array, u: jax.Array, probs=None):
   Args:
     x: float32[B, V] processed logits (-inf for removed tokens).
     u: float32[B] uniforms.
-    probs: `threshold.unnormalized_probs(x)` if the caller has it (bitwise), else None.
 
   Returns:
     (int32[B] tokens, float32[B] log-probabilities of those tokens under softmax(x)). Rows with
@@ -56,7 +55,7 @@ def inverse_cdf(x: jax.Array, u: jax.Array, probs=None):
   batch, vocab = x.shape
   lanes = _reduce.lanes_for(vocab)
   chunks = -(-vocab // lanes)
-  e, m = threshold.unnormalized_probs(x) if probs is None else probs  # [B, V], [B, 1]
+  e, m = threshold.unnormalized_probs(x)  # [B, V], [B, 1]
   lane_mass = _reduce.lane_sums(e)  # [B, L]
   lane_cdf = _reduce.row_cumsum(lane_mass)  # [B, L]
   total = _reduce.tree_sum(lane_mass)  # [B], the row sum
@@ -96,14 +95,13 @@ def log_softmax(x: jax.Array) -> jax.Array:
   return jnp.where(total[:, None] > 0, x - m - jnp.log(total)[:, None], jnp.nan)
 
 
-def draw(keys: jax.Array, processed: jax.Array, probs=None):
+def draw(keys: jax.Array, processed: jax.Array):
   """One token per row from processed float32 logits `[B, V]`, one uniform per row from its key.
 
-  Returns `(int32[B] tokens, float32[B] log-probabilities)` (see `inverse_cdf`; `probs`: the
-  processed row's `unnormalized_probs`, from `processors.process_f32_probs`, or None).
+  Returns `(int32[B] tokens, float32[B] log-probabilities)` (see `inverse_cdf`).
   """
   u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)  # [B]
-  return inverse_cdf(processed, u, probs)
+  return inverse_cdf(processed, u)
 
 
 def sample_rows(keys: jax.Array, logits: jax.Array, params: SamplingParams,
@@ -114,8 +112,7 @@ def sample_rows(keys: jax.Array, logits: jax.Array, params: SamplingParams,
   n-gram and bad-word bans; XTC's draw comes from `fold_in(keys[b], XTC_SALT)`. Returns
   (int32[B] tokens, float32[B] logprobs).
   """
-  return processors.process_and_draw(logits, params, counts, keys, history, None,
-                                    lambda x, probs: draw(keys, x, probs))[1]
+  return draw(keys, processors.process_f32(logits, params, counts, keys, history))
 
 
 @jax.jit

@@ -752,46 +752,35 @@ def hygiene_rows():
   return np.stack([hygiene(r) for r in ROWS]).astype(np.float32)
 
 
-@pytest.mark.slow  # two chains compiled per formulation
 @pytest.mark.parametrize("mode", ["branches", "straight"])
-def test_chain_hands_the_draw_the_bits_of_its_own_probabilities(mode):
-  """process_and_draw hands the draw process_f32's logits and bitwise unnormalized_probs of
-  them, with XTC acting (its most probable tokens gone) and mirostat cutting, so its tokens and
-  log-probabilities are those of a draw that computes them."""
+def test_xtc_hands_mirostat_the_bits_of_its_own_probabilities(mode):
+  """tail_with_probs (the chain's XTC then mirostat, sharing exp(x - max)) gives apply_xtc then
+  apply_mirostat bit for bit, and bitwise unnormalized_probs of its result, with XTC acting (its
+  most probable tokens gone) and mirostat cutting."""
   from jaxdecode import _platform, threshold  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(32)
-  x = jnp.asarray(np.concatenate([ROWS, rng.normal(size=(10, 6)).astype(np.float32) * 3]))
+  x = jnp.asarray(np.concatenate([hygiene_rows(), rng.normal(size=(10, 6)).astype(np.float32)
+                                  * 3]))
   rows = x.shape[0]
   params = SamplingParams(
       xtc_threshold=0.1, xtc_probability=jnp.asarray(rng.choice([0.0, 0.5, 1.0], rows),
                                                      jnp.float32),
-      mirostat=jnp.asarray(rng.choice([0, 2], rows), jnp.int32),
-      temperature=jnp.asarray(rng.choice([0.0, 0.7, 1.0], rows), jnp.float32),
-      min_p=jnp.asarray(rng.choice([0.0, 0.1], rows), jnp.float32)).broadcast(rows, 6)
+      mirostat=jnp.asarray(rng.choice([0, 2], rows), jnp.int32)).broadcast(rows, 6)
   keys = jax.random.split(jax.random.key(4), rows)
   mu = jnp.asarray(rng.uniform(0.0, 3.0, rows), jnp.float32)
 
   def both(x, params, keys, mu):
     params = params.sanitized()
-    head = processors.process_f32(x, params.replace(xtc_probability=0.0 * mu, mirostat=0 * (
-        params.mirostat)), None, keys, None, mu)  # the chain up to eta
-    tail, probs = processors.tail_with_probs(head, params, keys, mu)
-    processed, drawn_with = processors.process_and_draw(
-        x, params, None, keys, None, mu, lambda y, p: sampling.draw(keys, y, p))
-    return (processed, tail, probs, threshold.unnormalized_probs(tail),
-            sampling.draw(keys, processed), drawn_with)
+    xtc = processors.apply_xtc(x, params.xtc_threshold, params.xtc_probability, keys)
+    apart = processors.apply_mirostat(xtc, params.mirostat, mu)
+    shared, probs = processors.tail_with_probs(x, params, keys, mu)
+    return xtc, apart, shared, probs, threshold.unnormalized_probs(shared)
 
   with _platform.forced(mode):
-    processed, tail, probs, expected, drawn, drawn_with = jax.jit(both)(x, params, keys, mu)
-  # (process_and_draw's logits and draws against process_f32 + draw: the decode tests above.)
-  np.testing.assert_array_equal(tail, processed)
+    xtc, apart, shared, probs, expected = jax.jit(both)(x, params, keys, mu)
+  np.testing.assert_array_equal(shared, apart)
   np.testing.assert_array_equal(probs[0], expected[0])
   np.testing.assert_array_equal(probs[1], expected[1])
-  np.testing.assert_array_equal(drawn_with[0], drawn[0])
-  np.testing.assert_array_equal(drawn_with[1], drawn[1])
-  # XTC removed some row's most probable token and mirostat cut: the reuse was exercised.
-  xtc_only = processors.process_f32(x, params.replace(mirostat=jnp.zeros(rows, jnp.int32))
-                                    .sanitized(), None, keys, None, mu)
-  cut = jnp.max(xtc_only, axis=-1) < jnp.max(processors.remove_nan(x), axis=-1)
-  assert np.any(np.asarray(cut) & (np.asarray(params.temperature) > 0))
-  assert np.sum(np.isfinite(np.asarray(processed))) < np.sum(np.isfinite(np.asarray(xtc_only)))
+  # XTC removed some row's most probable token and mirostat cut after it: both paths ran.
+  assert np.any(np.max(xtc, axis=-1) < np.max(x, axis=-1))
+  assert np.sum(np.isfinite(apart)) < np.sum(np.isfinite(xtc))
