@@ -95,13 +95,19 @@ def right_aligned_prompt(prompt_tokens: jax.Array | None) -> jax.Array | None:
 def history(spec: LoopSpec, state: "LoopState") -> jax.Array:
   """int32[B, T + N]: each row's prompt (`spec.prompt`; none: T = 0) and new tokens so far,
   oldest first, its newest token at T + N - 1, -1 before its first."""
-  batch, n = state.tokens.shape
-  prompt = (jnp.zeros((batch, 0), jnp.int32) if spec.prompt is None else spec.prompt)
+  return history_of(spec.prompt, state.tokens, state.lengths)
+
+
+def history_of(prompt: jax.Array | None, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+  """`history` from its parts: `prompt` int32[B, T] right-aligned (`right_aligned_prompt`) or
+  None, the first `lengths[b]` of `tokens` int32[B, N] (what `jaxdecode.metrics` replays)."""
+  batch, n = tokens.shape
+  prompt = jnp.zeros((batch, 0), jnp.int32) if prompt is None else prompt
   column = jnp.arange(n, dtype=jnp.int32)[None, :]
-  new = jnp.where(column < state.lengths[:, None], state.tokens, -1)
+  new = jnp.where(column < lengths[:, None], tokens, -1)
   full = jnp.concatenate([prompt, new], axis=1)  # [B, T + N], padding after the new tokens
   width = full.shape[1]
-  source = jnp.arange(width, dtype=jnp.int32)[None, :] - (n - state.lengths)[:, None]
+  source = jnp.arange(width, dtype=jnp.int32)[None, :] - (n - lengths)[:, None]
   return jnp.where(source >= 0, jnp.take_along_axis(full, jnp.maximum(source, 0), axis=1), -1)
 
 
@@ -195,6 +201,14 @@ def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array
     keys: the keys the step's tokens are drawn with (XTC's draw folds them); None for a loop
       that draws nothing (beam search: XTC then acts only where its probability is 1).
   """
+  return processors.process_f32(_chain_inputs(spec, state, logits, step), spec.params,
+                                state.counts, keys, history(spec, state), state.mirostat_mu)
+
+
+def _chain_inputs(spec: LoopSpec, state: LoopState, logits: jax.Array,
+                  step: jax.Array) -> jax.Array:
+  """The logits `process` hands the chain: the constraint's mask, the user processors, EOS
+  masked before `min_new_tokens`."""
   if spec.constraint is not None:
     logits = jnp.where(structured.allowed(spec.constraint, state.automaton),
                        logits.astype(jnp.float32), -jnp.inf)
@@ -207,8 +221,7 @@ def process(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array
   logits = _platform.skip_unless(
       jnp.any(blocked) & jnp.any(spec.is_eos),
       lambda x: jnp.where(blocked[:, None] & spec.is_eos[None, :], -jnp.inf, x), logits)
-  return processors.process_f32(logits, spec.params, state.counts, keys, history(spec, state),
-                                state.mirostat_mu)
+  return logits
 
 
 def draw(spec: LoopSpec, state: LoopState, logits: jax.Array, step: jax.Array):

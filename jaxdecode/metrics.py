@@ -36,8 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax import lax
+
 from jaxdecode import _checks
+from jaxdecode import loop
 from jaxdecode import processors
+from jaxdecode import sampling
 from jaxdecode.params import SamplingParams
 
 MAX_N = 4  # distinct-n is usually reported for n = 1..MAX_N
@@ -348,13 +352,17 @@ def mean_log_likelihood(logits, tokens, lengths, *, per_sequence: bool = False):
                      per_sequence=per_sequence)
 
 
+def _entropy_of(processed: jax.Array) -> jax.Array:
+  """float32[R]: the entropy of softmax(processed) per row, NaN where nothing is selectable."""
+  x = processors.remove_nan(processed)  # [R, V]
+  _, _, h = processors.distribution(x)
+  return jnp.where(jnp.any(x > -jnp.inf, axis=-1), jnp.maximum(h[:, 0], 0.0), jnp.nan)
+
+
 @functools.partial(jax.jit, static_argnames=("steps",))
 def _entropies(processed, lengths, *, steps: int):
-  x = processors.remove_nan(processed)  # [B * N, V]
-  _, _, h = processors.distribution(x)
-  h = jnp.where(jnp.any(x > -jnp.inf, axis=-1), h[:, 0], jnp.nan)  # [B * N]
-  h = h.reshape(lengths.shape[0], steps)  # [B, N]
-  return jnp.where(_valid(lengths, steps), jnp.maximum(h, 0.0), 0.0)
+  h = _entropy_of(processed).reshape(lengths.shape[0], steps)  # [B, N]
+  return jnp.where(_valid(lengths, steps), h, 0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("vocab",))
@@ -364,22 +372,77 @@ def _step_counts(tokens, counts, *, vocab: int):
   return counts[:, None, :] + jnp.cumsum(seen, axis=1) - seen
 
 
-def step_entropies(logits, params: SamplingParams, lengths, *, tokens=None,
-                   counts=None) -> jax.Array:
+@jax.jit
+def _replay(logits, params, lengths, tokens, counts, prompt, row_keys):
+  """`decode`'s steps replayed along its tokens: `(entropies float32[B, N], logprobs
+  float32[B, N])`, the processed distribution's entropy at each step and the drawn token's
+  log-probability under it (what `decode` returns), 0 from a row's length on.
+
+  One `lax.scan` over the steps carries what the loop carries (`jaxdecode.loop`): the penalty
+  counts, each row's mirostat mu (2·tau at first, updated from each token's processed
+  log-probability) and, through `loop.history_of`, the history prompt + tokens so far; step t
+  of a row uses the key `fold_in(row_key, t)` (XTC's coin), or none where `row_keys` is None.
+  """
+  batch, steps, _ = logits.shape
+  params = params.sanitized()
+  rows = jnp.arange(batch, dtype=jnp.int32)
+
+  def step(carry, t):
+    counts, mu = carry
+    done = jnp.minimum(t, lengths)  # [B]: the tokens row b had generated before step t
+    keys = None if row_keys is None else jax.vmap(jax.random.fold_in)(row_keys, done)
+    x = lax.dynamic_index_in_dim(logits, t, axis=1, keepdims=False)  # [B, V]
+    processed = processors.process_f32(x, params, counts, keys,
+                                       loop.history_of(prompt, tokens, done), mu)
+    token = lax.dynamic_index_in_dim(tokens, t, axis=1, keepdims=False)  # [B]
+    logprob = jnp.take_along_axis(sampling.log_softmax(processed), token[:, None], axis=1)[:, 0]
+    recorded = t < lengths
+    mu = jnp.where(recorded, processors.mirostat_update(mu, logprob, params), mu)
+    counts = counts.at[rows, token].add(recorded.astype(jnp.int32))
+    return (counts, mu), (_entropy_of(processed), jnp.where(recorded, logprob, 0.0))
+
+  mu = jnp.broadcast_to(2.0 * params.mirostat_tau, (batch,)).astype(jnp.float32)
+  _, (h, logprobs) = lax.scan(step, (counts, mu), jnp.arange(steps, dtype=jnp.int32))
+  valid = _valid(lengths, steps)
+  return jnp.where(valid, h.T, 0.0), logprobs.T
+
+
+def _needs_replay(params: SamplingParams) -> bool:
+  """True if a step's distribution depends on more than its logits and counts: the history
+  (n-gram and bad-word bans, DRY), mirostat's mu, or XTC (its coin, or only where probability
+  is 1)."""
+  host = jax.tree.map(np.asarray, params)
+  xtc = (host.xtc_probability > 0) & (host.xtc_threshold <= 0.5)
+  return params.reads_history() or params.uses_mirostat() or bool(np.any(xtc))
+
+
+def step_entropies(logits, params: SamplingParams, lengths, *, tokens=None, counts=None,
+                   prompt_tokens=None, key=None) -> jax.Array:
   """Entropy (nats) of the *processed* distribution at every generated step.
 
   The distribution the sampler drew from: `softmax(jaxdecode.process_logits(logits[:, t],
   params))`. Removed tokens (-inf) contribute 0; temperature-0 rows are a point mass, entropy 0.
   With a penalty, step t is processed with the token counts `decode` had there: `counts` plus
-  the counts of `tokens[:, :t]`.
+  the counts of `tokens[:, :t]`. With a rule that reads more than the step's logits (DRY,
+  `no_repeat_ngram_size`, `bad_words`, mirostat, XTC), the steps are replayed as `decode` ran
+  them, along `tokens`: the history `prompt_tokens` + `tokens[:, :t]`, mirostat's mu updated
+  from each token's processed log-probability, and XTC's coin from `fold_in(row_key, t)`; so
+  each value is exactly the entropy of the distribution `decode` drew step t from (given the
+  same logits, prompt tokens and key).
 
   Args:
     logits: floating `[B, N, V]`, the model's raw logits at each generated step.
     params: the `SamplingParams` that generated the rows (each row's values apply to all of its
       steps); `min_new_tokens` must be 0 (it needs the EOS ids and the step).
     lengths: integer `[B]`, each in [0, N]; steps at or after a row's length give 0.
-    tokens: integer `[B, N]`, the generated tokens; needed when `params` has a penalty.
+    tokens: integer `[B, N]`, the generated tokens; needed when `params` has a penalty or one
+      of the rules above.
     counts: integer `[B, V]`, the counts `decode` started from (default: none, as in `decode`).
+    prompt_tokens: integer `[B, T]`, each row's prompt padded with -1 (`decode`'s argument of
+      that name; `models.generate` passes it): the start of the history of DRY, the n-gram and
+      the bad-word bans. None: the history is the new tokens alone.
+    key: the key `decode` was given (one key, or one per row): needed where XTC acts by chance
+      (0 < xtc_probability < 1).
 
   Returns:
     float32 `[B, N]`, each in [0, ln V]. A step whose logits have nothing selectable (all -inf
@@ -392,6 +455,12 @@ def step_entropies(logits, params: SamplingParams, lengths, *, tokens=None,
     >>> h = step_entropies(logits, params, jnp.array([1, 1]))
     >>> np.asarray(h, np.float64).round(4).tolist()  # greedy: 0; T = 1: 1.5 ln 2
     [[0.0], [1.0397]]
+    >>> logits = jnp.log(jnp.array([[[0.5, 0.25, 0.25]] * 2]))  # [1, 2, 3]
+    >>> bigrams = jaxdecode.SamplingParams(no_repeat_ngram_size=2)  # prompt 1 0, then token 1
+    >>> h = step_entropies(logits, bigrams, jnp.array([2]), tokens=jnp.array([[1, 2]]),
+    ...                    prompt_tokens=jnp.array([[1, 0]]))
+    >>> np.asarray(h, np.float64).round(4).tolist()  # step 1 bans 0 (1 0 was seen): ln 2
+    [[1.0397, 0.6931]]
   """
   lengths = _check_logits(logits, tokens, lengths)
   _checks.instance("params", params, SamplingParams, "a jaxdecode.SamplingParams")
@@ -402,13 +471,42 @@ def step_entropies(logits, params: SamplingParams, lengths, *, tokens=None,
     raise ValueError(f"min_new_tokens={int(mnt.max())} is not supported by step_entropies (it "
                      f"masks EOS at early steps, which needs the EOS ids); pass "
                      f"params.replace(min_new_tokens=0)")
+  start = None
+  if counts is not None:
+    start = _checks.counts(counts, batch, vocab)
+  if _needs_replay(params):
+    if tokens is None:
+      raise ValueError("params has a rule that reads the tokens each row has drawn (DRY, "
+                       "no_repeat_ngram_size, bad_words, mirostat or XTC): pass tokens=[B, N], "
+                       "the generated tokens")
+    if key is None and params.draws_xtc():
+      raise ValueError("xtc_probability between 0 and 1 draws whether XTC acts at each step: "
+                       "pass key=, the key decode was given")
+    row_keys = None
+    if key is not None:
+      _checks.key(key, batch)
+      row_keys = processors.row_keys(key, batch)
+    prompt = None
+    if prompt_tokens is not None:
+      prompt_tokens = _checks.array("prompt_tokens", prompt_tokens, "an integer array [B, T]")
+      if jnp.ndim(prompt_tokens) != 2 or jnp.shape(prompt_tokens)[0] != batch or \
+          not jnp.issubdtype(jnp.result_type(prompt_tokens), jnp.integer):
+        raise ValueError(f"prompt_tokens must be an integer array [B, T] with B = {batch} "
+                         f"(each row's prompt, padded with -1); got shape "
+                         f"{jnp.shape(prompt_tokens)} and dtype "
+                         f"{jnp.result_type(prompt_tokens)}")
+      prompt = loop.right_aligned_prompt(prompt_tokens)
+    if start is None:
+      start = jnp.zeros((batch, vocab), jnp.int32)
+    return _replay(jnp.asarray(logits), params, lengths, jnp.asarray(tokens, jnp.int32), start,
+                   prompt, row_keys)[0]
   step_counts = None
   if params.has_penalty():
     if tokens is None:
       raise ValueError("params has a penalty, which depends on the tokens each row has seen: "
                        "pass tokens=[B, N], the generated tokens")
-    start = (jnp.zeros((batch, vocab), jnp.int32) if counts is None
-             else _checks.counts(counts, batch, vocab))
+    if start is None:
+      start = jnp.zeros((batch, vocab), jnp.int32)
     step_counts = _step_counts(jnp.asarray(tokens, jnp.int32), start, vocab=vocab)
     step_counts = step_counts.reshape(batch * steps, vocab)
   # Row b's params for each of its N steps: [B, ...] -> [B * N, ...], the rows of
@@ -420,7 +518,7 @@ def step_entropies(logits, params: SamplingParams, lengths, *, tokens=None,
 
 
 def mean_entropy(logits, params: SamplingParams, lengths, *, tokens=None, counts=None,
-                 per_sequence: bool = False):
+                 prompt_tokens=None, key=None, per_sequence: bool = False):
   """The mean entropy (nats) of the processed distribution per generated step.
 
   Over the set: the sum of `step_entropies` over every valid step divided by the number of
@@ -432,6 +530,8 @@ def mean_entropy(logits, params: SamplingParams, lengths, *, tokens=None, counts
     lengths: integer `[B]`, each in [0, N].
     tokens: integer `[B, N]` generated tokens (needed with a penalty; see `step_entropies`).
     counts: integer `[B, V]` the token counts `decode` started from (penalties only).
+    prompt_tokens: integer `[B, T]` the prompts (the history rules; see `step_entropies`).
+    key: the key `decode` was given (XTC by chance; see `step_entropies`).
     per_sequence: one value per row instead of one for the whole set.
 
   Returns:
@@ -445,5 +545,6 @@ def mean_entropy(logits, params: SamplingParams, lengths, *, tokens=None, counts
     0.6931
   """
   _checks.boolean("per_sequence", per_sequence)
-  return masked_mean(step_entropies(logits, params, lengths, tokens=tokens, counts=counts),
+  return masked_mean(step_entropies(logits, params, lengths, tokens=tokens, counts=counts,
+                                    prompt_tokens=prompt_tokens, key=key),
                      lengths, per_sequence=per_sequence)

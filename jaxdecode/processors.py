@@ -334,9 +334,14 @@ def apply_temperature(x: jax.Array, t: jax.Array) -> jax.Array:
   # which is <= 0 everywhere and 0 at the maximum (same distribution, never an empty row).
   def fix_overflow(scaled):
     overflow = jnp.any(jnp.isinf(scaled) & (x > _NEG_INF), axis=-1, keepdims=True)
-    m = jnp.max(x, axis=-1, keepdims=True)
-    shifted = jnp.where(x == _NEG_INF, _NEG_INF, (x - m) / t_safe)
-    return jnp.where(overflow, shifted, scaled)
+
+    def shift(scaled):
+      m = jnp.max(x, axis=-1, keepdims=True)
+      shifted = jnp.where(x == _NEG_INF, _NEG_INF, (x - m) / t_safe)
+      return jnp.where(overflow, shifted, scaled)
+
+    # Rows that do not overflow keep `scaled`: the max and the shift only where one does.
+    return _platform.skip_unless(jnp.any(overflow), shift, scaled)
 
   scaled = _platform.skip_unless(jnp.any(t < 1), fix_overflow, scaled)
 
@@ -421,8 +426,11 @@ def apply_top_n_sigma(x: jax.Array, n: jax.Array) -> jax.Array:
 
   def cut(x):
     finite = x > _NEG_INF  # NaN and +inf are gone by now
-    count = _reduce.row_sum(finite.astype(jnp.float32), keepdims=True)  # [B, 1]
+    # An integer count: exact in any order, and as a float32 (V < 2^24) the same number as a
+    # float sum of ones.
+    count = jnp.sum(finite, axis=-1, keepdims=True, dtype=jnp.int32).astype(jnp.float32)
     largest = jnp.max(jnp.where(finite, jnp.abs(x), 0.0), axis=-1, keepdims=True)
+    highest = jnp.max(x, axis=-1, keepdims=True)  # -inf for a row with nothing finite
     _, e = jnp.frexp(largest)
     e = jnp.maximum(e, 0)
     # Two factors >= 2^-64, each a normal float32: x * 2^-e exactly, without a subnormal scale.
@@ -433,7 +441,9 @@ def apply_top_n_sigma(x: jax.Array, n: jax.Array) -> jax.Array:
     safe_count = jnp.maximum(count, 1.0)
     mean = _reduce.row_sum(y, keepdims=True) / safe_count
     var = _reduce.row_sum(jnp.where(finite, jnp.square(y - mean), 0.0), keepdims=True) / safe_count
-    top = jnp.max(jnp.where(finite, y, _NEG_INF), axis=-1, keepdims=True)
+    # max_i of (x_i * a) * b is (max_i x_i * a) * b: a product by a positive number rounds
+    # monotonically. So it comes from the pass that finds `largest`, not one over y.
+    top = (highest * scale_a) * scale_b
     cutoff = top - n[:, None] * jnp.sqrt(var)
     return jnp.where(active[:, None] & finite & (y < cutoff), _NEG_INF, x)
 
@@ -478,6 +488,20 @@ def xtc_uniforms(keys: jax.Array) -> jax.Array:
                                                jnp.float32))(keys)
 
 
+def _xtc_removed(x: jax.Array, e: jax.Array, cut_at: jax.Array, probability: jax.Array,
+                 keys: jax.Array | None, enabled: jax.Array) -> jax.Array:
+  """bool[B, V]: the tokens XTC removes, given e = exp(x - max) (`unnormalized_probs(x)`)."""
+  coin = probability >= 1 if keys is None else xtc_uniforms(keys) < probability
+  active = enabled & coin
+  # p_i >= threshold as e_i >= threshold · z (z the sum of e): no division pass; the least
+  # probable of them is the least e (p's order, ties included).
+  z = _reduce.row_sum(e, keepdims=True)
+  above = (e >= cut_at[:, None] * z) & (x > _NEG_INF)
+  least = jnp.min(jnp.where(above, e, jnp.inf), axis=-1, keepdims=True)
+  # A token above the cut and above the least of them means two or more are above it.
+  return active[:, None] & above & (e > least)
+
+
 def apply_xtc(x: jax.Array, cut_at: jax.Array, probability: jax.Array,
               keys: jax.Array | None) -> jax.Array:
   """XTC: where the row's uniform u < probability, if two or more tokens have p >= cut_at,
@@ -487,35 +511,64 @@ def apply_xtc(x: jax.Array, cut_at: jax.Array, probability: jax.Array,
   enabled = (probability > 0) & (cut_at <= 0.5)  # [B]
 
   def cut(x):
-    coin = probability >= 1 if keys is None else xtc_uniforms(keys) < probability
-    active = enabled & coin
-    # p_i >= threshold as e_i >= threshold · z (e_i = exp(x_i - max), z their sum): no division
-    # pass; the least probable of them is the least e (p's order, ties included).
     e, _ = threshold.unnormalized_probs(x)
-    z = _reduce.row_sum(e, keepdims=True)
-    above = (e >= cut_at[:, None] * z) & (x > _NEG_INF)
-    least = jnp.min(jnp.where(above, e, jnp.inf), axis=-1, keepdims=True)
-    # A token above the cut and above the least of them means two or more are above it.
-    remove = active[:, None] & above & (e > least)
-    return jnp.where(remove, _NEG_INF, x)
+    return jnp.where(_xtc_removed(x, e, cut_at, probability, keys, enabled), _NEG_INF, x)
 
   return _platform.skip_unless(jnp.any(enabled), cut, x)
+
+
+def apply_xtc_probs(x: jax.Array, probs, cut_at: jax.Array, probability: jax.Array,
+                    keys: jax.Array | None):
+  """`apply_xtc` given and returning `probs = (e, m) = unnormalized_probs(x)`: `(x', (e',
+  m'))` with (e', m') bitwise `unnormalized_probs(x')`. A row XTC acted on lost its most
+  probable token, so its (e, m) are computed again (all rows are then: a row XTC left alone
+  gets the same bits from the same x)."""
+  enabled = (probability > 0) & (cut_at <= 0.5)  # [B]
+
+  def cut(operand):
+    x, (e, m) = operand
+    removed = _xtc_removed(x, e, cut_at, probability, keys, enabled)
+    x = jnp.where(removed, _NEG_INF, x)
+    return _platform.skip_unless(jnp.any(removed), lambda o: (o[0], threshold.unnormalized_probs(
+        o[0])), (x, (e, m)))
+
+  return _platform.skip_unless(jnp.any(enabled), cut, (x, probs))
 
 
 LN2 = 0.6931471805599453
 
 
+def _mirostat_keep(x: jax.Array, e: jax.Array, m: jax.Array, mirostat: jax.Array,
+                   mu: jax.Array) -> jax.Array:
+  """bool[B, V]: what mirostat 2 keeps, given (e, m) = unnormalized_probs(x); log p as in
+  `distribution`."""
+  z = _reduce.row_sum(e, keepdims=True)
+  ok = z > 0
+  log_p = jnp.where(e > 0, x - m - jnp.log(jnp.where(ok, z, 1.0)), _NEG_INF)
+  keep = (-log_p / LN2 <= mu[:, None]) | (x == m)
+  return keep | (mirostat != 2)[:, None]
+
+
 def apply_mirostat(x: jax.Array, mirostat: jax.Array, mu: jax.Array) -> jax.Array:
   """mirostat 2's cut: rows with mirostat == 2 keep the tokens of surprise -log2 p <= mu and
   their most probable token(s) (which are kept whenever anything is)."""
-  active = mirostat == 2  # [B]
-
   def cut(x):
-    _, log_p, _ = distribution(x)
-    keep = (-log_p / LN2 <= mu[:, None]) | (x == jnp.max(x, axis=-1, keepdims=True))
-    return jnp.where(keep | ~active[:, None], x, _NEG_INF)
+    e, m = threshold.unnormalized_probs(x)
+    return jnp.where(_mirostat_keep(x, e, m, mirostat, mu), x, _NEG_INF)
 
-  return _platform.skip_unless(jnp.any(active), cut, x)
+  return _platform.skip_unless(jnp.any(mirostat == 2), cut, x)
+
+
+def apply_mirostat_probs(x: jax.Array, probs, mirostat: jax.Array, mu: jax.Array):
+  """`apply_mirostat` given and returning `probs = (e, m) = unnormalized_probs(x)`: the most
+  probable tokens stay, so m stays and e' = e where kept, 0 elsewhere (= exp(-inf - m)):
+  bitwise `unnormalized_probs(x')`."""
+  def cut(operand):
+    x, (e, m) = operand
+    keep = _mirostat_keep(x, e, m, mirostat, mu)
+    return jnp.where(keep, x, _NEG_INF), (jnp.where(keep, e, 0.0), m)
+
+  return _platform.skip_unless(jnp.any(mirostat == 2), cut, (x, probs))
 
 
 def mirostat_update(mu: jax.Array, logprob: jax.Array, params: SamplingParams) -> jax.Array:
@@ -526,13 +579,13 @@ def mirostat_update(mu: jax.Array, logprob: jax.Array, params: SamplingParams) -
                    mu)
 
 
-def ngram_bans(history: jax.Array, size: jax.Array) -> jax.Array:
+def ngram_bans(history: jax.Array, size: jax.Array, runs: jax.Array | None = None) -> jax.Array:
   """bool[B, H]: True at the history entries that `no_repeat_ngram_size` bans: history[j] where
   the n - 1 tokens before it equal the row's last n - 1 tokens (n = size[b]; n = 1 bans every
   token of the history; n <= 0 nothing). history: int32[B, H], padded with negative ids at the
-  start. The run lengths are `suffix_runs` (DRY's): no bound on n.
+  start. The run lengths are `suffix_runs(history, 0)` (DRY's; `runs` if given): no bound on n.
   """
-  run = suffix_runs(history, jnp.zeros(history.shape[:1], jnp.int32))
+  run = history_runs(history) if runs is None else runs
   n = size[:, None]
   return (history >= 0) & (n >= 1) & (run >= n - 1)
 
@@ -594,11 +647,35 @@ def suffix_runs(history: jax.Array, start: jax.Array) -> jax.Array:
   return run
 
 
+def history_runs(history: jax.Array) -> jax.Array:
+  """`suffix_runs(history, 0)`: the runs of the whole history, which the n-gram bans read and
+  DRY bounds by its window (`window_runs`), computed once per step for both."""
+  return suffix_runs(history, jnp.zeros(history.shape[:1], jnp.int32))
+
+
+def window_runs(runs: jax.Array, start: jax.Array) -> jax.Array:
+  """`suffix_runs(history, start)` from `runs = suffix_runs(history, 0)` (start >= 0): a run
+  ending before position j stops where j - i < start, so it is min(runs[j], max(j - start,
+  0)), the same integers."""
+  column = lax.broadcasted_iota(jnp.int32, runs.shape, 1)
+  return jnp.minimum(runs, jnp.maximum(column - start[:, None], 0))
+
+
 DRY_FLOAT_MAX_LOG = 88.7228391  # llama.cpp's bound of the exponent: log(FLT_MAX)
 
 
+def dry_window(history: jax.Array, multiplier: jax.Array, base: jax.Array, allowed: jax.Array,
+               last_n: jax.Array):
+  """(int32[B] window W, bool[B] rows where DRY can act): W = min(tokens, last_n), all tokens
+  where last_n < 0."""
+  tokens = jnp.sum(history >= 0, axis=-1, dtype=jnp.int32)  # [B]
+  window = jnp.where(last_n < 0, tokens, jnp.minimum(last_n, tokens))  # [B]
+  return window, (multiplier != 0) & (base >= 1) & (last_n != 0) & (window > allowed)
+
+
 def apply_dry(x: jax.Array, history: jax.Array | None, multiplier: jax.Array, base: jax.Array,
-              allowed: jax.Array, last_n: jax.Array, breakers: jax.Array) -> jax.Array:
+              allowed: jax.Array, last_n: jax.Array, breakers: jax.Array,
+              runs: jax.Array | None = None) -> jax.Array:
   """DRY, llama.cpp's `llama_sampler_dry_apply` without its host loops (single-token breakers).
 
   Per row: the window is its last W = min(tokens, last_n) tokens (last_n -1: all; 0: off);
@@ -609,15 +686,15 @@ def apply_dry(x: jax.Array, history: jax.Array | None, multiplier: jax.Array, ba
   is not a breaker, its logit loses multiplier · base^e, e = n - allowed capped at
   int(88.7228391 / log(base)) when base > 1.000001 (the penalty clipped to the largest
   float32). Nothing happens where multiplier is 0, W <= allowed or rep_limit < allowed.
+  `runs`: `history_runs(history)` if the caller has it (the chain shares it with the n-gram
+  bans), else computed here.
   """
   batch, vocab = x.shape
   if history is None or history.shape[1] == 0:
     return x
   width = history.shape[1]
   breakers = valid_ids(breakers, vocab)  # [B, K]
-  tokens = jnp.sum(history >= 0, axis=-1, dtype=jnp.int32)  # [B]
-  window = jnp.where(last_n < 0, tokens, jnp.minimum(last_n, tokens))  # [B]
-  active = (multiplier != 0) & (base >= 1) & (last_n != 0) & (window > allowed)
+  window, active = dry_window(history, multiplier, base, allowed, last_n)
 
   def penalize(x):
     column = lax.broadcasted_iota(jnp.int32, history.shape, 1)
@@ -626,7 +703,8 @@ def apply_dry(x: jax.Array, history: jax.Array | None, multiplier: jax.Array, ba
                          (breakers[:, None, :] < vocab), axis=-1)  # [B, H]
     after = jnp.where(is_breaker & (column >= start[:, None]), width - 1 - column, width)
     rep_limit = jnp.minimum(jnp.min(after, axis=-1), window)  # [B]
-    run = jnp.minimum(suffix_runs(history, start), rep_limit[:, None])  # [B, H]
+    whole = history_runs(history) if runs is None else runs
+    run = jnp.minimum(window_runs(whole, start), rep_limit[:, None])  # [B, H]
     counted = run >= allowed[:, None]
     rows = lax.broadcasted_iota(jnp.int32, history.shape, 0)
     ids = valid_ids(jnp.where(counted, history, -1), vocab)  # [B, H]: V where not counted
@@ -652,8 +730,9 @@ def apply_dry(x: jax.Array, history: jax.Array | None, multiplier: jax.Array, ba
 
 
 def apply_history_bans(x: jax.Array, history: jax.Array | None, ngram: jax.Array,
-                       words: jax.Array) -> jax.Array:
-  """`no_repeat_ngram_size` and `bad_words`: the tokens they ban become -inf."""
+                       words: jax.Array, runs: jax.Array | None = None) -> jax.Array:
+  """`no_repeat_ngram_size` and `bad_words`: the tokens they ban become -inf (`runs`: see
+  `ngram_bans`)."""
   vocab = x.shape[-1]
   batch = x.shape[0]
   if history is None:
@@ -661,7 +740,7 @@ def apply_history_bans(x: jax.Array, history: jax.Array | None, ngram: jax.Array
   rows = lax.broadcasted_iota(jnp.int32, (batch, 1), 0)
 
   def ban_ngrams(x):
-    ids = jnp.where(ngram_bans(history, ngram), history, vocab)
+    ids = jnp.where(ngram_bans(history, ngram, runs), history, vocab)
     return x.at[rows, valid_ids(ids, vocab)].set(_NEG_INF, mode="drop")
 
   def ban_words(x):
@@ -695,16 +774,44 @@ def process_f32(logits: jax.Array, params: SamplingParams,
 
 
 def _process_f32(logits, params, counts, keys, history, mu):
+  x, mu = _head(logits, params, counts, keys, history, mu)
+  # XTC and mirostat in one branch, passing exp(x - max) from the one to the other; skipped
+  # (on CPU and TPU) where no row uses either.
+  xtc_on = (params.xtc_probability > 0) & (params.xtc_threshold <= 0.5)
+  return _platform.skip_unless(jnp.any(xtc_on) | jnp.any(params.mirostat == 2),
+                               lambda x: tail_with_probs(x, params, keys, mu)[0], x)
+
+
+def tail_with_probs(x: jax.Array, params: SamplingParams, keys: jax.Array | None,
+                    mu: jax.Array):
+  """XTC then mirostat on x (the chain after eta), passing exp(x - max) along: `(x', (e, m))`
+  with (e, m) bitwise `threshold.unnormalized_probs(x')`."""
+  probs = threshold.unnormalized_probs(x)
+  x, probs = apply_xtc_probs(x, probs, params.xtc_threshold, params.xtc_probability, keys)
+  return apply_mirostat_probs(x, probs, params.mirostat, mu)
+
+
+def _head(logits, params, counts, keys, history, mu):
+  """The chain up to eta (everything before XTC and mirostat): `(x, mu)`, mu the state to cut
+  with (2·mirostat_tau where the caller has none)."""
   x = remove_nan(logits)
   x = apply_token_sets(x, params.banned_token_ids, params.allowed_token_ids)
-  x = apply_history_bans(x, history, params.no_repeat_ngram_size, params.bad_words)
+  runs = None
+  if history is not None and history.shape[1]:
+    # One pass of run lengths for the n-gram bans and DRY (each bounds it as it needs).
+    _, dry_active = dry_window(history, params.dry_multiplier, params.dry_base,
+                               params.dry_allowed_length, params.dry_penalty_last_n)
+    runs = _platform.when(jnp.any(params.no_repeat_ngram_size > 0) | jnp.any(dry_active),
+                          lambda: history_runs(history),
+                          lambda: jnp.zeros(history.shape, jnp.int32))
+  x = apply_history_bans(x, history, params.no_repeat_ngram_size, params.bad_words, runs)
   x = apply_pos_inf_rule(x)
   x = apply_logit_bias(x, *params.logit_bias)
   if counts is not None:
     x = apply_penalties(x, counts, params.repetition_penalty, params.presence_penalty,
                         params.frequency_penalty)
   x = apply_dry(x, history, params.dry_multiplier, params.dry_base, params.dry_allowed_length,
-                params.dry_penalty_last_n, params.dry_sequence_breakers)
+                params.dry_penalty_last_n, params.dry_sequence_breakers, runs)
   x = apply_top_n_sigma(x, params.top_n_sigma)
   t = dynamic_temperature(x, params.temperature, params.dynatemp_range,
                           params.dynatemp_exponent)
@@ -714,8 +821,7 @@ def _process_f32(logits, params, counts, keys, history, mu):
   x = apply_typical_p(x, params.typical_p)
   x = apply_epsilon_cutoff(x, params.epsilon_cutoff)
   x = apply_eta_cutoff(x, params.eta_cutoff)
-  x = apply_xtc(x, params.xtc_threshold, params.xtc_probability, keys)
-  return apply_mirostat(x, params.mirostat, 2.0 * params.mirostat_tau if mu is None else mu)
+  return x, 2.0 * params.mirostat_tau if mu is None else mu
 
 
 def cast_saturating(x: jax.Array, dtype) -> jax.Array:

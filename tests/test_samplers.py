@@ -3,6 +3,7 @@ exact against the plain-Python references of tests/reference.py on hostile rows,
 with every loop (decode, speculative, beam search, constraints) with rows bitwise the same
 alone and batched."""
 
+import functools
 import re
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 from scipy import stats
 
 import jaxdecode
-from jaxdecode import SamplingParams, processors, sampling
+from jaxdecode import SamplingParams, metrics, processors, sampling
 import reference as ref
 import toy_model
 
@@ -580,3 +581,231 @@ def test_every_loop_names_prompt_tokens_of_the_wrong_shape_or_dtype():
       with pytest.raises(ValueError, match=rf"{name}: prompt_tokens must be an integer array of "
                                            r"3 rows \(each row's prompt, padded with -1\)"):
         run(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# The entropy metric replays the loop: history, XTC's coin and mirostat's mu.
+
+REPLAY_V, REPLAY_N = 8, 7
+REPLAY_PROMPTS = [[1, 2, 3, 1, 2], [4, 4], [5, 2, 5, 2]]
+REPLAY_PARAMS = SamplingParams(
+    dry_multiplier=np.array([0.8, 0.0, 1.5], np.float32),
+    dry_allowed_length=np.array([2, 2, 1], np.int32),
+    no_repeat_ngram_size=np.array([3, 0, 0], np.int32),
+    xtc_threshold=np.array([0.1, 0.1, 0.12], np.float32),
+    xtc_probability=np.array([0.5, 0.0, 1.0], np.float32),
+    mirostat=np.array([2, 2, 0], np.int32),
+    mirostat_tau=np.array([2.0, 2.5, 5.0], np.float32),
+    mirostat_eta=np.array([0.3, 0.5, 0.1], np.float32),
+    bad_words=[None, None, [[2, 5]]])
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def xtc_coins(key, batch, steps):
+  """[B, N]: the uniform of fold_in(fold_in(fold_in(key, b), t), XTC_SALT), the key policy."""
+  def coin(b, t):
+    row_key = jax.random.fold_in(jax.random.fold_in(key, b), t)
+    return jax.random.uniform(jax.random.fold_in(row_key, processors.XTC_SALT))
+  return jax.vmap(lambda b: jax.vmap(lambda t: coin(b, t))(jnp.arange(steps)))(jnp.arange(batch))
+
+
+def replay_reference(logits, params, prompts, key, rng, *, frozen_mu=False, prompt=True):
+  """decode's steps in float64 from the published definitions (tests/reference.py), drawing
+  each token from the kept distribution with `rng`: (tokens [B, N], entropies [B, N], the
+  smallest distance of a kept-set decision to its cut). XTC's coin is the uniform of
+  fold_in(fold_in(fold_in(key, row), t), XTC_SALT), the key policy written out."""
+  host = jax.tree.map(np.asarray, params.broadcast(len(prompts), REPLAY_V))
+  batch, steps, vocab = logits.shape
+  coins = np.asarray(xtc_coins(key, batch, steps))
+  tokens = np.zeros((batch, steps), np.int32)
+  entropies = np.zeros((batch, steps))
+  margin = np.inf
+  for b in range(batch):
+    mu = 2.0 * float(host.mirostat_tau[b])
+    seen = list(prompts[b]) if prompt else []
+    for t in range(steps):
+      x = np.asarray(logits[b, t], np.float64)
+      banned = ref.no_repeat_ngram_banned(seen, int(host.no_repeat_ngram_size[b]))
+      banned |= ref.bad_words_banned(seen, [[int(v) for v in w if v >= 0]
+                                            for w in host.bad_words[b] if w[0] >= 0])
+      x[sorted(banned)] = -INF
+      x = x - ref.dry_penalties(seen, vocab, float(host.dry_multiplier[b]),
+                                float(host.dry_base[b]), int(host.dry_allowed_length[b]),
+                                int(host.dry_penalty_last_n[b]), [])
+      keep, _ = ref.xtc_keep(x, float(host.xtc_threshold[b]),
+                             coins[b, t] < host.xtc_probability[b])
+      probs = ref.softmax64(x)
+      if float(host.xtc_probability[b]) > 0:
+        margin = min(margin, np.min(np.abs(probs[x > -INF] - host.xtc_threshold[b])))
+      x = np.where(keep, x, -INF)
+      probs = ref.softmax64(x)
+      if host.mirostat[b] == 2:
+        with np.errstate(divide="ignore"):
+          surprise = -np.log2(probs)
+        margin = min(margin, np.min(np.abs(surprise[probs > 0] - mu)))
+        probs = np.where((surprise <= mu) | (probs == probs.max()), probs, 0.0)
+        probs = probs / probs.sum()
+      entropies[b, t] = -sum(p * np.log(p) for p in probs if p > 0)
+      token = int(rng.choice(vocab, p=probs))
+      tokens[b, t] = token
+      if host.mirostat[b] == 2 and not frozen_mu:
+        mu -= float(host.mirostat_eta[b]) * (-np.log2(probs[token]) - float(host.mirostat_tau[b]))
+      seen.append(token)
+  return tokens, entropies, margin
+
+
+@pytest.mark.slow  # compiling the replayed chain takes most of its 6-15 s
+def test_step_entropies_replay_history_xtc_coin_and_mirostat_mu_against_a_reference():
+  logits = np.random.default_rng(11).normal(size=(3, REPLAY_N, REPLAY_V)).astype(np.float32)
+  key = jax.random.key(5)
+  tokens, expected, margin = replay_reference(logits, REPLAY_PARAMS, REPLAY_PROMPTS, key,
+                                              np.random.default_rng(12))
+  assert margin > 1e-5  # no decision of this draw sits on a float32 rounding boundary
+  prompt_tokens = np.full((3, 6), -1, np.int32)
+  for b, p in enumerate(REPLAY_PROMPTS):
+    prompt_tokens[b, 6 - len(p):] = p  # left-padded: decode takes padding at either end
+  lengths = np.array([REPLAY_N, REPLAY_N, 4])
+  got = metrics.step_entropies(jnp.asarray(logits), REPLAY_PARAMS, lengths, tokens=tokens,
+                               prompt_tokens=prompt_tokens, key=key)
+  want = np.where(np.arange(REPLAY_N) < lengths[:, None], expected, 0.0)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5)
+  # Negative controls: the reference without mu's updates, or without the prompt, differs from
+  # the one checked along the same tokens, so a metric that dropped either would fail above.
+  for variant in (dict(frozen_mu=True), dict(prompt=False)):
+    other_tokens, other, _ = replay_reference(logits, REPLAY_PARAMS, REPLAY_PROMPTS, key,
+                                              np.random.default_rng(12), **variant)
+    first = np.argmax(np.any(other_tokens != tokens, axis=0)) if np.any(
+        other_tokens != tokens) else REPLAY_N
+    assert np.max(np.abs(other[:, :first] - expected[:, :first])) > 1e-3, variant
+  with pytest.raises(ValueError, match="pass tokens="):
+    metrics.step_entropies(jnp.asarray(logits), REPLAY_PARAMS, lengths)
+  with pytest.raises(ValueError, match="pass key="):
+    metrics.step_entropies(jnp.asarray(logits), REPLAY_PARAMS, lengths, tokens=tokens)
+
+
+@pytest.mark.slow
+def test_step_entropies_replay_is_decode_bit_for_bit():
+  """The replay's log-probability of each drawn token is bitwise decode's, every rule on (so
+  its history, XTC coins and mu are decode's); step_entropies returns the replay's entropies
+  (0 for the greedy rows)."""
+  key = jax.random.key(9)
+  out = run_decode(LOOP_PARAMS, key)
+  tokens = np.asarray(out.tokens)
+  previous = np.concatenate([[[p[-1]] for p in PROMPTS], tokens[:, :-1]], axis=1)
+  logits = jnp.asarray(BIGRAM)[previous]  # [B, N, V]: the bigram model's logits at each step
+  params = LOOP_PARAMS.broadcast(len(PROMPTS), VOCAB)
+  start = jnp.zeros((len(PROMPTS), VOCAB), jnp.int32)
+  row_keys = processors.row_keys(key, len(PROMPTS))
+  prompt = jaxdecode.loop.right_aligned_prompt(prompt_array())
+  h, logprobs = metrics._replay(logits, params, out.lengths, jnp.asarray(tokens), start, prompt,
+                                row_keys)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(logprobs, out.logprobs)
+  assert (np.asarray(out.lengths) == N).all()
+  got = metrics.step_entropies(logits, LOOP_PARAMS, out.lengths, tokens=tokens,
+                               prompt_tokens=prompt_array(), key=key)
+  np.testing.assert_array_equal(got, h)
+  assert np.all(np.asarray(h)[0] == 0) and np.all(np.asarray(h)[1:] >= 0)
+  assert np.any(np.asarray(h) > 0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Restructured computations give the bits of the plain ones.
+
+
+def _old_top_n_sigma(x, n):
+  """apply_top_n_sigma as first written (float count, max over the scaled row): the bits the
+  restructured one must keep."""
+  from jaxdecode import _reduce  # pylint: disable=import-outside-toplevel
+  finite = x > -jnp.inf
+  count = _reduce.row_sum(finite.astype(jnp.float32), keepdims=True)
+  largest = jnp.max(jnp.where(finite, jnp.abs(x), 0.0), axis=-1, keepdims=True)
+  _, e = jnp.frexp(largest)
+  e = jnp.maximum(e, 0)
+  half = e // 2
+  scale_a = jax.lax.bitcast_convert_type((127 - half) << 23, jnp.float32)
+  scale_b = jax.lax.bitcast_convert_type((127 - (e - half)) << 23, jnp.float32)
+  y = jnp.where(finite, (x * scale_a) * scale_b, 0.0)
+  safe_count = jnp.maximum(count, 1.0)
+  mean = _reduce.row_sum(y, keepdims=True) / safe_count
+  var = _reduce.row_sum(jnp.where(finite, jnp.square(y - mean), 0.0), keepdims=True) / safe_count
+  top = jnp.max(jnp.where(finite, y, -jnp.inf), axis=-1, keepdims=True)
+  cutoff = top - n[:, None] * jnp.sqrt(var)
+  return jnp.where((n > 0)[:, None] & finite & (y < cutoff), -jnp.inf, x)
+
+
+def _old_temperature(x, t):
+  """apply_temperature as first written (the shift computed whenever a row has t < 1)."""
+  greedy_rows = (t == 0)[:, None]
+  t_safe = jnp.where(greedy_rows, 1.0, t[:, None])
+  scaled = jnp.where(x == -jnp.inf, -jnp.inf, x / t_safe)
+  overflow = jnp.any(jnp.isinf(scaled) & (x > -jnp.inf), axis=-1, keepdims=True)
+  m = jnp.max(x, axis=-1, keepdims=True)
+  shifted = jnp.where(x == -jnp.inf, -jnp.inf, (x - m) / t_safe)
+  scaled = jnp.where(overflow, shifted, scaled)
+  iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  one_hot = jnp.where(iota == processors.first_argmax(x)[:, None], x, -jnp.inf)
+  return jnp.where(greedy_rows, one_hot, scaled)
+
+
+@pytest.mark.parametrize("mode", ["branches", "straight"])
+def test_restructured_top_n_sigma_temperature_and_runs_keep_their_bits(mode):
+  from jaxdecode import _platform  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(31)
+  rows = np.concatenate([hygiene_rows(), rng.normal(size=(6, 6)).astype(np.float32) * 1e3,
+                         rng.standard_cauchy(size=(4, 6)).astype(np.float32)])
+  x = jnp.asarray(rows)
+  n = jnp.asarray(rng.choice([0.0, 0.5, 1.0, 2.0], len(rows)), jnp.float32)
+  t = jnp.asarray(rng.choice([0.0, 1e-38, 0.3, 1.0, 2.0], len(rows)), jnp.float32)
+  history = np.tile([0, 1, 2, 0, 1, 1], (5, 4)) ^ (rng.random((5, 24)) < 0.1)  # repeats
+  history[1, :5] = -1  # padding at the start
+  history = jnp.asarray(history, jnp.int32)
+  start = jnp.asarray([0, 3, 10, 23, 24], jnp.int32)
+  with _platform.forced(mode):
+    sigma = jax.jit(processors.apply_top_n_sigma)(x, n)
+    temp = jax.jit(processors.apply_temperature)(x, t)
+    runs = jax.jit(lambda h, s: processors.window_runs(processors.history_runs(h), s))(
+        history, start)
+    direct = jax.jit(processors.suffix_runs)(history, start)
+  np.testing.assert_array_equal(sigma, jax.jit(_old_top_n_sigma)(x, n))
+  np.testing.assert_array_equal(temp, jax.jit(_old_temperature)(x, t))
+  np.testing.assert_array_equal(runs, direct)
+  assert np.any(np.isinf(np.asarray(sigma)) & np.isfinite(rows))  # top-nσ cut something
+  assert np.asarray(direct).max() >= 3  # some runs, and bounded ones, were compared
+
+
+def hygiene_rows():
+  return np.stack([hygiene(r) for r in ROWS]).astype(np.float32)
+
+
+@pytest.mark.parametrize("mode", ["branches", "straight"])
+def test_xtc_hands_mirostat_the_bits_of_its_own_probabilities(mode):
+  """tail_with_probs (the chain's XTC then mirostat, sharing exp(x - max)) gives apply_xtc then
+  apply_mirostat bit for bit, and bitwise unnormalized_probs of its result, with XTC acting (its
+  most probable tokens gone) and mirostat cutting."""
+  from jaxdecode import _platform, threshold  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(32)
+  x = jnp.asarray(np.concatenate([hygiene_rows(), rng.normal(size=(10, 6)).astype(np.float32)
+                                  * 3]))
+  rows = x.shape[0]
+  params = SamplingParams(
+      xtc_threshold=0.1, xtc_probability=jnp.asarray(rng.choice([0.0, 0.5, 1.0], rows),
+                                                     jnp.float32),
+      mirostat=jnp.asarray(rng.choice([0, 2], rows), jnp.int32)).broadcast(rows, 6)
+  keys = jax.random.split(jax.random.key(4), rows)
+  mu = jnp.asarray(rng.uniform(0.0, 3.0, rows), jnp.float32)
+
+  def both(x, params, keys, mu):
+    params = params.sanitized()
+    xtc = processors.apply_xtc(x, params.xtc_threshold, params.xtc_probability, keys)
+    apart = processors.apply_mirostat(xtc, params.mirostat, mu)
+    shared, probs = processors.tail_with_probs(x, params, keys, mu)
+    return xtc, apart, shared, probs, threshold.unnormalized_probs(shared)
+
+  with _platform.forced(mode):
+    xtc, apart, shared, probs, expected = jax.jit(both)(x, params, keys, mu)
+  np.testing.assert_array_equal(shared, apart)
+  np.testing.assert_array_equal(probs[0], expected[0])
+  np.testing.assert_array_equal(probs[1], expected[1])
+  # XTC removed some row's most probable token and mirostat cut after it: both paths ran.
+  assert np.any(np.max(xtc, axis=-1) < np.max(x, axis=-1))
+  assert np.sum(np.isfinite(apart)) < np.sum(np.isfinite(xtc))

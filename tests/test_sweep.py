@@ -17,7 +17,9 @@ pytestmark = pytest.mark.slow  # the whole module: it runs the real model end to
 
 EXPECTED_SETTINGS = ["greedy", "T=0.5", "T=0.7", "T=1", "T=1.3", "top-k 5", "top-k 20",
                      "top-k 100", "top-p 0.5", "top-p 0.8", "top-p 0.95", "min-p 0.05",
-                     "min-p 0.1"]
+                     "min-p 0.1", "top-nσ 1", "top-nσ 1 T=1.3", "XTC 0.1/0.5",
+                     "min-p 0.05 + XTC", "DRY 0.8", "min-p 0.05 + DRY", "mirostat τ=3",
+                     "mirostat τ=5", "dynatemp 0.5"]
 METRICS = ("eos_rate", "distinct_1", "distinct_2", "distinct_3", "distinct_4",
            f"repetition_{sweep.REPETITION_N}", "longest_repeat", "log_likelihood", "entropy")
 
@@ -164,7 +166,8 @@ def test_cli_sweep_quick_writes_the_same_csv_for_the_same_seed(result, capsys, t
   code, out, _ = run_cli(capsys, "sweep", "--quick", "--out", str(tmp_path))
   assert code == 0
   assert out.splitlines()[0].split() == list(sweep.COLUMNS)
-  assert sum(line.startswith(("greedy", "T=", "top-", "min-p")) for line in out.splitlines()) == 13
+  names = [line.split("  ")[0] for line in out.splitlines()[1:]]
+  assert names[:len(EXPECTED_SETTINGS)] == EXPECTED_SETTINGS
   with open(result["csv"], encoding="utf-8") as a, open(tmp_path / "sweep.csv",
                                                         encoding="utf-8") as b:
     assert a.read() == b.read()
@@ -192,3 +195,30 @@ def test_module_command_help_and_bad_flag(capsys):
   assert sweep.main(["--out"]) == 2
   err = capsys.readouterr().err
   assert "python -m jaxdecode.tools.sweep: error:" in err and len(err.strip().splitlines()) == 1
+
+
+def test_entropy_replay_draws_the_decodes_log_probabilities_bit_for_bit(result):
+  """The entropy column replays every step (DRY's history with the prompt, XTC's coin,
+  mirostat's mu): along the sweep's tokens, the replay's log-probability of each drawn token is
+  bitwise the decode's, so its entropies are those of the distributions the decode drew from."""
+  from jaxdecode import loop, metrics, processors  # pylint: disable=import-outside-toplevel
+  from jaxdecode.models import ByteTokenizer, load_default, teacher_forced_logits  # pylint: disable=import-outside-toplevel
+  from jaxdecode.prompts import right_pad  # pylint: disable=import-outside-toplevel
+  prompts, params, keys = _sweep_rows(result)
+  tok = ByteTokenizer()
+  prompt_tokens, prompt_lengths = right_pad([tok.encode(p) for p in prompts], pad_id=tok.PAD,
+                                            buckets=None)
+  tokens = result["tokens"].reshape(len(prompts), -1)
+  lengths = result["lengths"].reshape(-1)
+  logits = teacher_forced_logits(load_default()[0], prompt_tokens, prompt_lengths, tokens)
+  real = np.arange(prompt_tokens.shape[1])[None, :] < np.asarray(prompt_lengths)[:, None]
+  rows = len(prompts)
+  h, logprobs = metrics._replay(  # pylint: disable=protected-access
+      logits, params.broadcast(rows, logits.shape[-1]), jnp.asarray(lengths, jnp.int32),
+      jnp.asarray(tokens, jnp.int32), jnp.zeros((rows, logits.shape[-1]), jnp.int32),
+      loop.right_aligned_prompt(np.where(real, prompt_tokens, -1)),
+      processors.row_keys(keys, rows))
+  np.testing.assert_array_equal(np.asarray(logprobs), result["logprobs"].reshape(rows, -1))
+  np.testing.assert_array_equal(np.asarray(h), result["entropies"].reshape(rows, -1))
+  dry = _index("DRY 0.8")
+  assert result["rows"][dry]["entropy"] != result["rows"][_index("T=1")]["entropy"]

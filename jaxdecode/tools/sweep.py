@@ -4,11 +4,16 @@ Run it as `jaxdecode sweep [--quick] --out DIR` (or `python -m jaxdecode.tools.s
 few English / Python-doc prompts with the embedded model (`jaxdecode.models.load_default()`) under
 every setting of `GRID`:
 
-  greedy; temperature 0.5, 0.7, 1.0, 1.3; top-k 5, 20, 100; top-p 0.5, 0.8, 0.95; min-p 0.05, 0.1
+  greedy; temperature 0.5, 0.7, 1.0, 1.3; top-k 5, 20, 100; top-p 0.5, 0.8, 0.95; min-p 0.05, 0.1;
+  top-nσ 1 (at T = 1 and 1.3); XTC threshold 0.1, probability 0.5 (alone and after min-p 0.05);
+  DRY multiplier 0.8 (base 1.75, allowed length 2, llama.cpp's breakers; alone and after min-p
+  0.05); mirostat 2 with τ = 3 and 5 (η = 0.1); dynamic temperature 1 ± 0.5
 
-(top-k, top-p and min-p at temperature 1), and measures each setting with `jaxdecode.metrics`:
+(all at temperature 1 unless named), and measures each setting with `jaxdecode.metrics`:
 distinct-1..4 and the repetition of its sequences, the mean per-token log-likelihood of the text
-under the raw model, and the mean entropy of the processed distribution it sampled from.
+under the raw model, and the mean entropy of the processed distribution it sampled from (for
+DRY, XTC and mirostat, `metrics.step_entropies` replays each step with the row's history, key
+and mu, so it is the distribution the decode drew from).
 
 One decode does it all: the batch holds every (setting, prompt) pair, with the setting's values
 as per-row `SamplingParams` (traced data, so one compiled program serves the whole grid). Prompt
@@ -25,9 +30,9 @@ Outputs in the `out` folder:
   log-likelihood, each point labelled by its setting;
 - `samples.txt`: every setting's continuation of every prompt, to read.
 
-Duration on 2 shared CPU cores: the default grid (8 prompts x 13 settings = 104 rows of 160 new
-tokens) about 2 minutes, nearly all of it the decode; `--quick` (3 prompts x 24 new tokens) about
-20 s, mostly compiling.
+Duration on 2 shared CPU cores: the default grid (8 prompts x 22 settings = 176 rows of 160 new
+tokens) about 3 minutes (measured 168 s on a loaded machine, 74 s of it the decode); `--quick` (3
+prompts x 24 new tokens) about a minute, mostly compiling.
 """
 
 from __future__ import annotations
@@ -57,13 +62,18 @@ from jaxdecode.tools._args import OneLineParser, non_negative_int
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-  """One point of the grid: a name, its family (for the plot's colours) and its values."""
+  """One point of the grid: a name, its family (for the plot's colours) and its values.
+
+  `others` holds any other `SamplingParams` fields as (name, value) pairs, e.g.
+  `(("dry_multiplier", 0.8),)`; fields a setting does not name keep their defaults.
+  """
   name: str
   family: str
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
   min_p: float = 0.0
+  others: tuple = ()
 
 
 GRID = (
@@ -72,7 +82,20 @@ GRID = (
     *(Setting(f"top-k {k}", "top-k", top_k=k) for k in (5, 20, 100)),
     *(Setting(f"top-p {p:g}", "top-p", top_p=p) for p in (0.5, 0.8, 0.95)),
     *(Setting(f"min-p {m:g}", "min-p", min_p=m) for m in (0.05, 0.1)),
+    # The samplers beyond transformers (llama.cpp's names and defaults), at temperature 1.
+    Setting("top-nσ 1", "top-nσ", others=(("top_n_sigma", 1.0),)),
+    Setting("top-nσ 1 T=1.3", "top-nσ", temperature=1.3, others=(("top_n_sigma", 1.0),)),
+    Setting("XTC 0.1/0.5", "XTC", others=(("xtc_threshold", 0.1), ("xtc_probability", 0.5))),
+    Setting("min-p 0.05 + XTC", "XTC", min_p=0.05,
+            others=(("xtc_threshold", 0.1), ("xtc_probability", 0.5))),
+    Setting("DRY 0.8", "DRY", others=(("dry_multiplier", 0.8),)),
+    Setting("min-p 0.05 + DRY", "DRY", min_p=0.05, others=(("dry_multiplier", 0.8),)),
+    *(Setting(f"mirostat τ={tau:g}", "mirostat", others=(("mirostat", 2), ("mirostat_tau", tau)))
+      for tau in (3.0, 5.0)),
+    Setting("dynatemp 0.5", "dynatemp", others=(("dynatemp_range", 0.5),)),
 )
+# DRY's sequence breakers, llama.cpp's defaults ("\n", ":", '"', "*"), as the byte tokenizer's ids.
+DRY_BREAKERS = ("\n", ":", "\"", "*")
 
 PROMPTS = (
     "The for statement",
@@ -91,13 +114,14 @@ QUICK_MAX_NEW_TOKENS = 24
 REPETITION_N = 8  # bytes: an 8-gram is a word or two, so a repeated one is a repeated phrase
 
 COLUMNS = (
-    "setting", "temperature", "top_k", "top_p", "min_p",
+    "setting", "temperature", "top_k", "top_p", "min_p", "others",
     "sequences", "tokens", "eos_rate",
     "distinct_1", "distinct_2", "distinct_3", "distinct_4",
     f"repetition_{REPETITION_N}", "longest_repeat",
     "log_likelihood", "entropy",
 )
 COLUMN_NOTES = {
+    "others": "the setting's other SamplingParams fields, name=value separated by spaces",
     "sequences": "sequences generated (one per prompt)",
     "tokens": "new tokens in all, each row up to and including its EOS",
     "eos_rate": "share of the sequences that ended with EOS",
@@ -111,11 +135,17 @@ COLUMN_NOTES = {
 }
 
 _FAMILY_COLOURS = {"greedy": "black", "temperature": "tab:red", "top-k": "tab:blue",
-                   "top-p": "tab:green", "min-p": "tab:purple"}
+                   "top-p": "tab:green", "min-p": "tab:purple", "top-nσ": "tab:pink",
+                   "XTC": "tab:brown", "DRY": "tab:orange", "mirostat": "tab:olive",
+                   "dynatemp": "tab:cyan"}
 
 
 def grid_params(grid: Sequence[Setting], prompts_per_setting: int) -> SamplingParams:
   """Per-row `SamplingParams` for the batch `[setting 0 x prompts, setting 1 x prompts, ...]`.
+
+  Every field a setting names in `others` gets a column (its default in the other settings);
+  with DRY in the grid, every row gets llama.cpp's sequence breakers (`DRY_BREAKERS`), which
+  change nothing where DRY is off.
 
   Args:
     grid: the settings.
@@ -129,12 +159,22 @@ def grid_params(grid: Sequence[Setting], prompts_per_setting: int) -> SamplingPa
     >>> p.temperature.tolist(), p.top_k.tolist()
     ([0.0, 0.0, 0.5, 0.5], [0, 0, 0, 0])
   """
-  def column(field, dtype):
-    return np.repeat(np.array([getattr(s, field) for s in grid], dtype), prompts_per_setting)
+  defaults = SamplingParams()
 
-  return SamplingParams(temperature=column("temperature", np.float32),
-                        top_k=column("top_k", np.int32), top_p=column("top_p", np.float32),
-                        min_p=column("min_p", np.float32))
+  def column(values, dtype):
+    return np.repeat(np.array(values, dtype), prompts_per_setting)
+
+  fields = {f: column([getattr(s, f) for s in grid], t) for f, t in
+            (("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32),
+             ("min_p", np.float32))}
+  for name in dict.fromkeys(name for s in grid for name, _ in s.others):
+    default = np.asarray(getattr(defaults, name))
+    fields[name] = column([dict(s.others).get(name, default.item()) for s in grid],
+                          default.dtype)
+  if "dry_multiplier" in fields:
+    breakers = [ByteTokenizer().encode(c, bos=False)[0] for c in DRY_BREAKERS]
+    fields["dry_sequence_breakers"] = [breakers] * (len(grid) * prompts_per_setting)
+  return SamplingParams(**fields)
 
 
 def prompt_keys(seed: int, count: int) -> jax.Array:
@@ -224,7 +264,11 @@ def run_sweep(out_dir, *, quick: bool = False, seed: int = 0, prompts: Sequence[
                                            pad_id=tok.PAD, buckets=None)
   logits = teacher_forced_logits(model, prompt_tokens, prompt_lengths, gen.tokens)
   log_likelihoods = np.asarray(metrics.token_log_likelihoods(logits, gen.tokens, gen.lengths))
-  entropies = np.asarray(metrics.step_entropies(logits, params, gen.lengths))
+  # The prompts as generate gave them to decode (-1 padding): the history DRY reads.
+  real = np.arange(prompt_tokens.shape[1])[None, :] < np.asarray(prompt_lengths)[:, None]
+  entropies = np.asarray(metrics.step_entropies(
+      logits, params, gen.lengths, tokens=gen.tokens, key=keys,
+      prompt_tokens=np.where(real, prompt_tokens, -1)))
   del logits
 
   def per_setting(x):  # [S * P, ...] -> [S, P, ...]
@@ -236,7 +280,8 @@ def run_sweep(out_dir, *, quick: bool = False, seed: int = 0, prompts: Sequence[
   rows = []
   for s, setting in enumerate(grid):
     row = {"setting": setting.name, "temperature": setting.temperature, "top_k": setting.top_k,
-           "top_p": setting.top_p, "min_p": setting.min_p}
+           "top_p": setting.top_p, "min_p": setting.min_p,
+           "others": " ".join(f"{k}={v:g}" for k, v in setting.others)}
     row.update(setting_metrics(arrays["tokens"][s], arrays["lengths"][s],
                                arrays["log_likelihoods"][s], arrays["entropies"][s],
                                arrays["finished"][s]))
@@ -261,9 +306,11 @@ def run_sweep(out_dir, *, quick: bool = False, seed: int = 0, prompts: Sequence[
 
 
 def _format(column: str, value) -> str:
-  """Settings as given (`0.95`), metrics with 4 decimals."""
+  """Settings as given (`0.95`), metrics with 4 decimals; no other field: `-`."""
   if column in ("temperature", "top_p", "min_p"):
     return f"{value:g}"
+  if column == "others":
+    return value or "-"
   if isinstance(value, float):
     return f"{value:.4f}" if math.isfinite(value) else str(value)
   return str(value)
