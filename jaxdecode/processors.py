@@ -517,24 +517,6 @@ def apply_xtc(x: jax.Array, cut_at: jax.Array, probability: jax.Array,
   return _platform.skip_unless(jnp.any(enabled), cut, x)
 
 
-def apply_xtc_probs(x: jax.Array, probs, cut_at: jax.Array, probability: jax.Array,
-                    keys: jax.Array | None):
-  """`apply_xtc` given and returning `probs = (e, m) = unnormalized_probs(x)`: `(x', (e',
-  m'))` with (e', m') bitwise `unnormalized_probs(x')`. A row XTC acted on lost its most
-  probable token, so its (e, m) are computed again (all rows are then: a row XTC left alone
-  gets the same bits from the same x)."""
-  enabled = (probability > 0) & (cut_at <= 0.5)  # [B]
-
-  def cut(operand):
-    x, (e, m) = operand
-    removed = _xtc_removed(x, e, cut_at, probability, keys, enabled)
-    x = jnp.where(removed, _NEG_INF, x)
-    return _platform.skip_unless(jnp.any(removed), lambda o: (o[0], threshold.unnormalized_probs(
-        o[0])), (x, (e, m)))
-
-  return _platform.skip_unless(jnp.any(enabled), cut, (x, probs))
-
-
 LN2 = 0.6931471805599453
 
 
@@ -557,18 +539,6 @@ def apply_mirostat(x: jax.Array, mirostat: jax.Array, mu: jax.Array) -> jax.Arra
     return jnp.where(_mirostat_keep(x, e, m, mirostat, mu), x, _NEG_INF)
 
   return _platform.skip_unless(jnp.any(mirostat == 2), cut, x)
-
-
-def apply_mirostat_probs(x: jax.Array, probs, mirostat: jax.Array, mu: jax.Array):
-  """`apply_mirostat` given and returning `probs = (e, m) = unnormalized_probs(x)`: the most
-  probable tokens stay, so m stays and e' = e where kept, 0 elsewhere (= exp(-inf - m)):
-  bitwise `unnormalized_probs(x')`."""
-  def cut(operand):
-    x, (e, m) = operand
-    keep = _mirostat_keep(x, e, m, mirostat, mu)
-    return jnp.where(keep, x, _NEG_INF), (jnp.where(keep, e, 0.0), m)
-
-  return _platform.skip_unless(jnp.any(mirostat == 2), cut, (x, probs))
 
 
 def mirostat_update(mu: jax.Array, logprob: jax.Array, params: SamplingParams) -> jax.Array:
@@ -775,20 +745,8 @@ def process_f32(logits: jax.Array, params: SamplingParams,
 
 def _process_f32(logits, params, counts, keys, history, mu):
   x, mu = _head(logits, params, counts, keys, history, mu)
-  # XTC and mirostat in one branch, passing exp(x - max) from the one to the other; skipped
-  # (on CPU and TPU) where no row uses either.
-  xtc_on = (params.xtc_probability > 0) & (params.xtc_threshold <= 0.5)
-  return _platform.skip_unless(jnp.any(xtc_on) | jnp.any(params.mirostat == 2),
-                               lambda x: tail_with_probs(x, params, keys, mu)[0], x)
-
-
-def tail_with_probs(x: jax.Array, params: SamplingParams, keys: jax.Array | None,
-                    mu: jax.Array):
-  """XTC then mirostat on x (the chain after eta), passing exp(x - max) along: `(x', (e, m))`
-  with (e, m) bitwise `threshold.unnormalized_probs(x')`."""
-  probs = threshold.unnormalized_probs(x)
-  x, probs = apply_xtc_probs(x, probs, params.xtc_threshold, params.xtc_probability, keys)
-  return apply_mirostat_probs(x, probs, params.mirostat, mu)
+  x = apply_xtc(x, params.xtc_threshold, params.xtc_probability, keys)
+  return apply_mirostat(x, params.mirostat, mu)
 
 
 def _head(logits, params, counts, keys, history, mu):

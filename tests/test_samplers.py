@@ -775,37 +775,3 @@ def test_restructured_top_n_sigma_temperature_and_runs_keep_their_bits(mode):
 
 def hygiene_rows():
   return np.stack([hygiene(r) for r in ROWS]).astype(np.float32)
-
-
-@pytest.mark.parametrize("mode", ["branches", "straight"])
-def test_xtc_hands_mirostat_the_bits_of_its_own_probabilities(mode):
-  """tail_with_probs (the chain's XTC then mirostat, sharing exp(x - max)) gives apply_xtc then
-  apply_mirostat bit for bit, and bitwise unnormalized_probs of its result, with XTC acting (its
-  most probable tokens gone) and mirostat cutting."""
-  from jaxdecode import _platform, threshold  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(32)
-  x = jnp.asarray(np.concatenate([hygiene_rows(), rng.normal(size=(10, 6)).astype(np.float32)
-                                  * 3]))
-  rows = x.shape[0]
-  params = SamplingParams(
-      xtc_threshold=0.1, xtc_probability=jnp.asarray(rng.choice([0.0, 0.5, 1.0], rows),
-                                                     jnp.float32),
-      mirostat=jnp.asarray(rng.choice([0, 2], rows), jnp.int32)).broadcast(rows, 6)
-  keys = jax.random.split(jax.random.key(4), rows)
-  mu = jnp.asarray(rng.uniform(0.0, 3.0, rows), jnp.float32)
-
-  def both(x, params, keys, mu):
-    params = params.sanitized()
-    xtc = processors.apply_xtc(x, params.xtc_threshold, params.xtc_probability, keys)
-    apart = processors.apply_mirostat(xtc, params.mirostat, mu)
-    shared, probs = processors.tail_with_probs(x, params, keys, mu)
-    return xtc, apart, shared, probs, threshold.unnormalized_probs(shared)
-
-  with _platform.forced(mode):
-    xtc, apart, shared, probs, expected = jax.jit(both)(x, params, keys, mu)
-  np.testing.assert_array_equal(shared, apart)
-  np.testing.assert_array_equal(probs[0], expected[0])
-  np.testing.assert_array_equal(probs[1], expected[1])
-  # XTC removed some row's most probable token and mirostat cut after it: both paths ran.
-  assert np.any(np.max(xtc, axis=-1) < np.max(x, axis=-1))
-  assert np.sum(np.isfinite(apart)) < np.sum(np.isfinite(xtc))
