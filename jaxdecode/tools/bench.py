@@ -182,6 +182,13 @@ def time_round_robin(fns: Mapping[str, Callable[[], Any]], runs: int, *,
   return times
 
 
+def _first_call_s(fn: Callable[[], Any]) -> float:
+  """Seconds of `fn()`'s first call, compilation included (it becomes a timed run after)."""
+  start = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - start
+
+
 def _medians(times: Mapping[str, Sequence[float]]) -> dict[str, float]:
   return {name: float(statistics.median(t)) for name, t in times.items()}
 
@@ -674,9 +681,7 @@ def numerics_row(batch: int, *, runs: int = RUNS, max_new_tokens: int = 64,
       return jaxdecode.decode(step_fn, state, logits, key=key, params=greedy,
                               max_new_tokens=max_new_tokens, positions=lengths).tokens
 
-    start = time.perf_counter()
-    jax.block_until_ready(run())
-    first_call[mode] = time.perf_counter() - start
+    first_call[mode] = _first_call_s(run)
     runs_by_mode[mode] = run
     if invariant:
       late = cache - 32
@@ -797,9 +802,7 @@ def transformers_numerics_row(batch: int, *, runs: int = RUNS, max_new_tokens: i
           return jaxdecode.decode(step_fn, state, logits, key=key, params=greedy,
                                   max_new_tokens=max_new_tokens, positions=lengths).tokens
 
-      start = time.perf_counter()
-      jax.block_until_ready(run())
-      first_call[mode] = time.perf_counter() - start
+      first_call[mode] = _first_call_s(run)
       runs_by_mode[mode] = run
   medians = _medians(time_round_robin(runs_by_mode, runs))
   return {"batch": batch, "max_new_tokens": max_new_tokens, "runs": runs, "median_s": medians,
