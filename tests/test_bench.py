@@ -54,8 +54,8 @@ def test_result_is_valid_json_and_formats_as_a_table(kernel_result):
   back = json.loads(text)
   assert set(back) == {"command", "machine", "settings", "notes", "kernel", "decode", "beam",
                        "numerics", "numerics_transformers", "speculative", "stream",
-                       "structured"}
-  assert back["decode"] == back["beam"] == back["structured"] == []  # decode=False: no model tables
+                       "structured", "scoring"}
+  assert back["decode"] == back["beam"] == back["structured"] == back["scoring"] == []  # decode=False: no model tables
   assert back["settings"]["runs"] == 5 and back["settings"]["seconds"] > 0
   for field in ("platform", "cpu_count", "device_kind", "devices", "jax"):
     assert back["machine"][field]
@@ -77,7 +77,7 @@ def test_time_round_robin_alternates_after_warmup():
 
 @pytest.mark.slow
 def test_peers_are_skipped_above_the_size_limit_and_without_transformers(monkeypatch):
-  monkeypatch.setattr(bench, "transformers_top_p_sampler", lambda top_p=0.9: None)
+  monkeypatch.setattr(bench.kernels, "transformers_top_p_sampler", lambda top_p=0.9: None)
   result = bench.run_benchmarks(batches=(2,), vocabs=(1000,), shapes=("wide",), runs=5,
                                 decode=False)
   (row,) = result["kernel"]
@@ -194,7 +194,8 @@ def test_decode_table_on_a_tiny_model():
                                   ["--runs", "ten"], ["--runs", "10"], ["--bogus"],
                                   ["--quick", "extra"]])
 def test_bad_command_lines_exit_2_in_one_line(argv, capsys, monkeypatch):
-  monkeypatch.setattr(bench, "run_benchmarks", lambda **kw: pytest.fail("must not run"))
+  monkeypatch.setattr(bench.report, "run_benchmarks",
+                      lambda **kw: pytest.fail("must not run"))
   assert bench.main(argv) == 2
   out, err = capsys.readouterr()
   assert out == "" and len(err.strip().splitlines()) == 1 and "error" in err
@@ -213,13 +214,13 @@ def test_main_prints_json_or_a_table(kernel_result, capsys, monkeypatch):
     seen.update(kwargs)
     return dict(kernel_result, command=kwargs["command"])
 
-  monkeypatch.setattr(bench, "run_benchmarks", fake_run)
+  monkeypatch.setattr(bench.report, "run_benchmarks", fake_run)
   assert bench.main(["--quick", "--json", "--no-decode", "--runs", "5"]) == 0
   back = json.loads(capsys.readouterr().out)
   assert back["command"] == "python -m jaxdecode.bench --quick --json --no-decode --runs 5"
   assert seen["quick"] and seen["runs"] == 5 and not seen["decode"] and not seen["all_peers"]
   assert seen["beam"] is seen["numerics"] is seen["spec"] is seen["stream"] is None
-  assert seen["structured"] is None  # follows --decode, like the other model tables
+  assert seen["structured"] is seen["scoring"] is None  # follow --decode, as the model tables do
   ratios = [v for row in back["kernel"] for v in row["ratio"].values()]
   assert ratios and all(_positive_finite(v) for v in ratios)
   assert bench.main(["--quick", "--all-peers"], prog="jaxdecode bench") == 0
@@ -233,9 +234,9 @@ def test_main_prints_json_or_a_table(kernel_result, capsys, monkeypatch):
   capsys.readouterr()
   assert not seen["kernels"] and seen["numerics"] is False and seen["spec"] is False
   assert seen["stream"] is None
-  assert bench.main(["--quick", "--no-stream"]) == 0
+  assert bench.main(["--quick", "--no-stream", "--no-scoring"]) == 0
   capsys.readouterr()
-  assert seen["stream"] is False
+  assert seen["stream"] is False and seen["scoring"] is False
   assert bench.main(["--no-kernels", "--no-decode", "--structured"]) == 0
   capsys.readouterr()
   assert seen["structured"] is True and not seen["decode"]
@@ -317,7 +318,7 @@ def test_transformers_numerics_table_on_a_tiny_gpt2_or_a_line_saying_why_not(mon
     raise ImportError("cannot import name 'FlaxGPT2LMHeadModel'")
 
   with monkeypatch.context() as m:
-    m.setattr(bench, "transformers_gpt2", unavailable)
+    m.setattr(bench.numerics, "transformers_gpt2", unavailable)
     skipped = bench.transformers_numerics_table(batches=(1, 8), runs=5)
   assert [row["batch"] for row in skipped] == [1, 8]
   assert all("transformers<5" in row["skipped"] for row in skipped)
@@ -422,5 +423,43 @@ def test_structured_table_on_a_tiny_model_and_a_small_bpe_vocabulary():
                                              "structured_new_tokens": 4}}
   table = bench.format_table(result)
   assert "Structured: jaxdecode.decode with constraint=" in table and "Structured compile" in table
+  assert max(len(line) for line in table.splitlines()) <= 100
+  json.dumps(bench._finite(result), allow_nan=False)
+
+
+@pytest.mark.slow
+def test_scoring_table_on_a_tiny_model():
+  """About 2 minutes on 2 cores: a row compiles 8 programs (3 rollouts and a training step, in
+  each numerics mode), whatever the sizes."""
+  def tiny(invariant):
+    config = bench.TransformerConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, d_ff=64,
+                                     max_len=64, batch_invariant=invariant)
+    return bench.Transformer(config, rngs=nnx.Rngs(0))
+
+  def missing(invariant):
+    raise ValueError("model checkpoint 'default.msgpack' does not exist")
+
+  rows = bench.scoring_table(batches=(2,), runs=2, max_new_tokens=4, loader=tiny)
+  assert [row["mode"] for row in rows] == ["invariant", "plain"]
+  for row in rows:
+    assert (row["batch"], row["max_new_tokens"], row["runs"]) == (2, 4, 2)
+    assert set(row["median_s"]) == {"processed", "raw", "all_kinds", "train"}
+    assert set(row["tokens_per_s"]) == set(row["median_s"])
+    assert set(row["ratio"]) == {"raw_vs_processed", "all_kinds_vs_processed", "train_vs_plain"}
+    for value in [*row["median_s"].values(), *row["tokens_per_s"].values(),
+                  *row["ratio"].values()]:
+      assert _positive_finite(value)
+    assert row["tokens_per_s"]["raw"] == 2 * 4 / row["median_s"]["raw"]
+  invariant, plain = rows
+  assert plain["ratio"]["train_vs_plain"] == 1.0
+  assert invariant["ratio"]["train_vs_plain"] == (invariant["median_s"]["train"] /
+                                                  plain["median_s"]["train"])
+  (skipped,) = bench.scoring_table(batches=(1,), runs=2, max_new_tokens=4, loader=missing)
+  assert skipped["batch"] == 1 and "does not exist" in skipped["skipped"]
+  result = {"command": "", "machine": bench.machine_info(), "notes": [], "kernel": [],
+            "scoring": rows + [skipped], "settings": {"runs": 2, "warmup": 2, "seconds": 1.0}}
+  table = bench.format_table(result)
+  assert "Scoring: rollouts with log-probs" in table and "B=1 skipped: ValueError" in table
+  assert sum(line.startswith(("invariant ", "plain ")) for line in table.splitlines()) == 2
   assert max(len(line) for line in table.splitlines()) <= 100
   json.dumps(bench._finite(result), allow_nan=False)

@@ -21,8 +21,8 @@ a few minutes on a GPU. The exit status is 0 when every section ran (whatever it
 one failed (its error is printed in its place), 2 for a bad command line.
 """
 
-# The benchmark's helpers (`bench._medians`, `_prompts`, `_fmt`, `_runs`, `_finite`) are this
-# package's own: the doctor measures exactly as the benchmark does.
+# The benchmark's helpers (`bench._medians`, `_runs`, `_finite`) are this package's own: the
+# doctor measures with the benchmark's code (`bench.kernel_fns`, `bench.decode_row`).
 # pylint: disable=protected-access
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from jaxdecode import models
 from jaxdecode.params import SamplingParams
 from jaxdecode.prompts import bucket_length
 from jaxdecode.tools import bench
+from jaxdecode.tools.bench import _table as bench_table
 from jaxdecode.tools._args import OneLineParser, positive_int
 from jaxdecode.tools._args import seed as seed_type
 
@@ -109,18 +110,14 @@ def cpu_info(path: str = "/proc/cpuinfo") -> dict:
 def machine() -> dict:
   """The backend, devices, versions, CPU and the lowering platform of this machine."""
   devices = jax.devices()
-  try:
-    usable = len(os.sched_getaffinity(0))
-  except AttributeError:  # not on Linux
-    usable = os.cpu_count()
   backend = jax.default_backend()
   return {"backend": backend, "lowering_platform": lowering_platform(backend),
           "device_kinds": sorted({d.device_kind for d in devices}),
           "device_count": jax.device_count(), "local_device_count": jax.local_device_count(),
           "process_count": jax.process_count(), "devices": [repr(d) for d in devices[:8]],
           "os": platform.platform(), "cpu": cpu_info(), "cpu_count": os.cpu_count(),
-          "usable_cpus": usable, "python": platform.python_version(), "jax": jax.__version__,
-          "jaxlib": jaxlib.__version__, "flax": flax.__version__,
+          "usable_cpus": bench.usable_cpus(), "python": platform.python_version(),
+          "jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
           "jaxdecode": jaxdecode.__version__}
 
 
@@ -156,18 +153,10 @@ def run_audit(load: Callable[[bool], Any], prompts: Sequence, *, mixes: int, ste
 
 
 def run_kernels(batch: int, vocab: int, *, runs: int, seed: int = 0) -> dict:
-  """Sampler time over argmax time on the benchmark's "lm" logits [batch, vocab], timed as
-  `bench.kernel_row` times them (round robin, after warm-up, medians), for `KERNELS` only."""
+  """Sampler time over argmax time on the benchmark's "lm" logits [batch, vocab], timed by the
+  benchmark's code (`bench.kernel_fns`, round robin after warm-up, medians), for `KERNELS` only."""
   logits = bench.make_logits("lm", batch, vocab, seed)
-  key = jax.random.key(seed)
-  argmax = jax.jit(lambda x: jnp.argmax(x, axis=-1))
-  fns = {"argmax": lambda: argmax(logits)}
-  for name in KERNELS:
-    if name == "greedy":
-      fns[name] = lambda: jaxdecode.greedy(logits)
-    else:
-      params = SamplingParams(**bench.KERNEL_PARAMS[name])
-      fns[name] = lambda params=params: jaxdecode.sample(key, logits, params)
+  fns = bench.kernel_fns(logits, jax.random.key(seed), KERNELS)
   medians = bench._medians(bench.time_round_robin(fns, runs))
   return {"shape": "lm", "batch": batch, "vocab": vocab, "runs": runs,
           "argmax_ms": medians["argmax"] * 1e3,
@@ -175,35 +164,14 @@ def run_kernels(batch: int, vocab: int, *, runs: int, seed: int = 0) -> dict:
 
 
 def run_decode(model, *, batch: int, max_new_tokens: int, runs: int, seed: int = 0) -> dict:
-  """Tokens/s of `jaxdecode.decode` with top-p 0.9 over greedy on one model, as
-  `bench.decode_row` measures them (the same prompts, one prefill, round robin), without its
-  EOS-stop program (one compilation less); and the first call (compilation) over a later one."""
-  prompts = bench._prompts(model.config.vocab_size, batch, seed)
-  width = bucket_length(max(len(p) for p in prompts))
-  tokens, lengths = jaxdecode.right_pad(prompts, width=width)
-  graphdef, weights = nnx.split(model)
-  logits, state = models.prefill(graphdef, weights, tokens, lengths,
-                                 cache_length=width + max_new_tokens)
-  step_fn = models.make_step_fn(graphdef)  # a new function: the first call compiles
-  key = jax.random.key(seed)
-  greedy, top_p = SamplingParams(temperature=0.0), SamplingParams(top_p=bench.TOP_P)
-
-  def run(params):
-    return jaxdecode.decode(step_fn, state, logits, key=key, params=params,
-                            max_new_tokens=max_new_tokens, positions=lengths).tokens
-
-  jax.block_until_ready(logits)
-  start = time.perf_counter()
-  jax.block_until_ready(run(greedy))
-  first_call = time.perf_counter() - start
-  medians = bench._medians(bench.time_round_robin(
-      {"greedy": lambda: run(greedy), "top_p": lambda: run(top_p)}, runs))
-  new_tokens = batch * max_new_tokens
-  return {"batch": batch, "max_new_tokens": max_new_tokens, "runs": runs,
-          "first_call_s": first_call, "median_s": medians,
-          "tokens_per_s": {k: new_tokens / v for k, v in medians.items()},
-          "ratio": {"top_p_vs_greedy": medians["greedy"] / medians["top_p"],
-                    "first_vs_later": first_call / medians["greedy"]}}
+  """Tokens/s of `jaxdecode.decode` with top-p 0.9 over greedy on one model, and the first call
+  (compilation) over a later one: `bench.decode_row` without its EOS-stop program (one
+  compilation less), reporting `batch`, `max_new_tokens`, `runs`, `first_call_s`, `median_s`,
+  `tokens_per_s` and `ratio`."""
+  row = bench.decode_row("", model, runs=runs, batch=batch, max_new_tokens=max_new_tokens,
+                         seed=seed, early_stop=False)
+  return {key: row[key] for key in ("batch", "max_new_tokens", "runs", "first_call_s",
+                                    "median_s", "tokens_per_s", "ratio")}
 
 
 def _chain_params(batch: int) -> SamplingParams:
@@ -285,8 +253,7 @@ def run_structure(model, target: str, *, logits_shape: tuple[int, int],
 # The report.
 
 
-def _ratio(value: float | None) -> str:
-  return bench._fmt(value)
+_ratio = bench_table.ratio
 
 
 def _failed(section: Mapping) -> list:
@@ -484,31 +451,9 @@ def run(settings: Mapping, *, command: str = "", emit: Callable[[str], None] | N
   """
   emit = emit or (lambda text: None)
   path = settings.get("model")
-  if load is None:
-    if path is None:
-      load = lambda invariant: models.load_default(batch_invariant=invariant)[0]
-    else:
-      _files.read_input(path, "checkpoint")
-      load = lambda invariant: models.load_checkpoint(path, batch_invariant=invariant)[0]
-  if settings["max_batch"] < 2:
-    raise ValueError(f"--max-batch must be at least 2 (a needle and a partner); got "
-                     f"{settings['max_batch']}")
-  low, high = settings["prompt_bytes"]
-  prompts = audit_prompts(max(8, settings["max_batch"]), settings["seed"], low, high)
-  model = load(True)
-  context = model.config.max_len
-  width = bucket_length(max(len(p) for p in prompts))
-  if width + settings["steps"] > context:
-    hint = (f"use --steps {context - width} or fewer" if context > width else
-            "use a model with a longer context")
-    raise ValueError(f"--steps {settings['steps']} does not fit: the audit's prompts take up to "
-                     f"{width} tokens (padded) of the model's context of {context}; {hint}")
+  load = load or _loader(path)
+  prompts, model = _checked(settings, load)
   decode_batch, new_tokens = settings["decode"]
-  decode_width = bucket_length(12)
-  if decode_width + new_tokens > context:
-    raise ValueError(f"--decode {decode_batch}x{new_tokens} does not fit: prompts of up to "
-                     f"{decode_width} tokens (padded) and {new_tokens} new tokens exceed the "
-                     f"model's context of {context}")
   started = time.perf_counter()
   result = {"command": command, "settings": dict(settings)}
   if command:
@@ -538,6 +483,40 @@ def run(settings: Mapping, *, command: str = "", emit: Callable[[str], None] | N
   result["seconds"] = time.perf_counter() - started
   result["verdict"] = verdict(result)
   return result
+
+
+def _loader(path: str | None) -> Callable[[bool], Any]:
+  """`load(batch_invariant) -> Transformer`: the embedded model, or the checkpoint at `path`
+  (checked to be readable now)."""
+  if path is None:
+    return lambda invariant: models.load_default(batch_invariant=invariant)[0]
+  _files.read_input(path, "checkpoint")
+  return lambda invariant: models.load_checkpoint(path, batch_invariant=invariant)[0]
+
+
+def _checked(settings: Mapping, load: Callable[[bool], Any]) -> tuple[list, Any]:
+  """`(the audit's prompts, the batch-invariant model)`, after checking that the settings fit
+  the model (ValueError naming the flag otherwise)."""
+  if settings["max_batch"] < 2:
+    raise ValueError(f"--max-batch must be at least 2 (a needle and a partner); got "
+                     f"{settings['max_batch']}")
+  low, high = settings["prompt_bytes"]
+  prompts = audit_prompts(max(8, settings["max_batch"]), settings["seed"], low, high)
+  model = load(True)
+  context = model.config.max_len
+  width = bucket_length(max(len(p) for p in prompts))
+  if width + settings["steps"] > context:
+    hint = (f"use --steps {context - width} or fewer" if context > width else
+            "use a model with a longer context")
+    raise ValueError(f"--steps {settings['steps']} does not fit: the audit's prompts take up to "
+                     f"{width} tokens (padded) of the model's context of {context}; {hint}")
+  decode_batch, new_tokens = settings["decode"]
+  decode_width = bucket_length(12)
+  if decode_width + new_tokens > context:
+    raise ValueError(f"--decode {decode_batch}x{new_tokens} does not fit: prompts of up to "
+                     f"{decode_width} tokens (padded) and {new_tokens} new tokens exceed the "
+                     f"model's context of {context}")
+  return prompts, model
 
 
 # ---------------------------------------------------------------------------------------------
