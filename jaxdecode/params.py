@@ -100,6 +100,7 @@ _NUMBER_NAMES = tuple(f.name for f in _FIELDS)
 _TOKEN_NAMES = ("logit_bias", "banned_token_ids", "allowed_token_ids", "dry_sequence_breakers",
                 "bad_words")
 _NAMES = _NUMBER_NAMES + _TOKEN_NAMES
+_BY_NAME = {f.name: f for f in _FIELDS}
 _PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 _MIN_WIDTH = 8  # the narrowest padded width of a token field
 
@@ -367,6 +368,142 @@ def _convert_words(value) -> np.ndarray | jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
+# The field families: each checks and converts its concrete values (`check`, for the
+# constructor) and maps traced values onto the allowed ranges (`sanitize`, for
+# `SamplingParams.sanitized`). The rules `sanitized` documents are these.
+
+
+def _numbers(values: dict, names: tuple[str, ...]) -> dict:
+  """The number fields `names` of `values`, converted and validated by their `_Field`."""
+  return {name: _convert(_BY_NAME[name], values[name]) for name in names}
+
+
+def _disabled_if_nan(v, off, lo, hi):
+  return jnp.where(jnp.isnan(v), off, jnp.clip(v, lo, hi))
+
+
+def _finite(v):
+  return _disabled_if_nan(v, 0.0, -_F32_MAX, _F32_MAX)
+
+
+_TEMPERATURES = ("temperature", "dynatemp_range", "dynatemp_exponent")
+
+
+def _check_temperatures(values: dict) -> dict:
+  """temperature (a finite number >= 0, 0 greedy) and dynamic temperature's range and exponent
+  (finite, >= 0)."""
+  return _numbers(values, _TEMPERATURES)
+
+
+def _sanitize_temperatures(p) -> dict:
+  return dict(
+      temperature=jnp.where(p.temperature > 0, p.temperature, 0.0),  # NaN > 0 is False
+      dynatemp_range=_disabled_if_nan(p.dynatemp_range, 0.0, 0.0, _F32_MAX),
+      dynatemp_exponent=_disabled_if_nan(p.dynatemp_exponent, 1.0, 0.0, _F32_MAX))
+
+
+_TRUNCATIONS = ("top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                "top_n_sigma")
+
+
+def _check_truncations(values: dict) -> dict:
+  """The kept-set rules: top-k (an integer >= 0), top-p and typical-p (in (0, 1]), min-p (in
+  [0, 1]), epsilon and eta (in [0, 1)), top-nσ (finite)."""
+  return _numbers(values, _TRUNCATIONS)
+
+
+def _sanitize_truncations(p) -> dict:
+  return dict(
+      top_k=jnp.maximum(p.top_k, 0),
+      top_p=_disabled_if_nan(p.top_p, 1.0, 0.0, 1.0),
+      min_p=_disabled_if_nan(p.min_p, 0.0, 0.0, 1.0),
+      typical_p=_disabled_if_nan(p.typical_p, 1.0, 0.0, 1.0),
+      epsilon_cutoff=_disabled_if_nan(p.epsilon_cutoff, 0.0, 0.0, 1.0),
+      eta_cutoff=_disabled_if_nan(p.eta_cutoff, 0.0, 0.0, 1.0),
+      top_n_sigma=_finite(p.top_n_sigma))
+
+
+def _check_penalties(values: dict) -> dict:
+  """The count penalties: repetition (finite, > 0), presence and frequency (finite)."""
+  return _numbers(values, _PENALTIES)
+
+
+def _sanitize_penalties(p) -> dict:
+  rp = p.repetition_penalty
+  return dict(repetition_penalty=jnp.where((rp > 0) & jnp.isfinite(rp), rp, 1.0),
+              presence_penalty=_finite(p.presence_penalty),
+              frequency_penalty=_finite(p.frequency_penalty))
+
+
+def _check_lengths(values: dict) -> dict:
+  """min_new_tokens: an integer >= 0."""
+  return _numbers(values, ("min_new_tokens",))
+
+
+def _sanitize_lengths(p) -> dict:
+  return dict(min_new_tokens=jnp.maximum(p.min_new_tokens, 0))
+
+
+_SAMPLERS = ("xtc_threshold", "xtc_probability", "dry_multiplier", "dry_base",
+             "dry_allowed_length", "dry_penalty_last_n", "mirostat", "mirostat_tau",
+             "mirostat_eta")
+
+
+def _check_samplers(values: dict) -> dict:
+  """The samplers beyond transformers: XTC (threshold and probability in [0, 1]), DRY (its
+  numbers, and its sequence breakers as token ids) and mirostat (0 or 2; tau, eta >= 0)."""
+  out = _numbers(values, _SAMPLERS)
+  out["dry_sequence_breakers"] = _convert_ids("dry_sequence_breakers",
+                                              values["dry_sequence_breakers"])
+  return out
+
+
+def _sanitize_samplers(p) -> dict:
+  return dict(
+      xtc_threshold=_disabled_if_nan(p.xtc_threshold, 1.0, 0.0, 1.0),
+      xtc_probability=_disabled_if_nan(p.xtc_probability, 0.0, 0.0, 1.0),
+      dry_multiplier=_disabled_if_nan(p.dry_multiplier, 0.0, 0.0, _F32_MAX),
+      dry_base=_disabled_if_nan(p.dry_base, 1.0, 1.0, _F32_MAX),
+      dry_allowed_length=jnp.maximum(p.dry_allowed_length, 1),
+      dry_penalty_last_n=jnp.maximum(p.dry_penalty_last_n, -1),
+      mirostat=jnp.where(p.mirostat == 2, p.mirostat, 0),
+      mirostat_tau=_disabled_if_nan(p.mirostat_tau, 5.0, 0.0, _F32_MAX),
+      mirostat_eta=_disabled_if_nan(p.mirostat_eta, 0.1, 0.0, _F32_MAX))
+
+
+def _check_token_sets(values: dict) -> dict:
+  """The bias and the bans: logit_bias ({id: bias} forms), banned and allowed token ids, bad
+  words (token-id sequences) and the n-gram ban's size (an integer >= 0)."""
+  out = {"logit_bias": _convert_bias(values["logit_bias"]),
+         "banned_token_ids": _convert_ids("banned_token_ids", values["banned_token_ids"]),
+         "allowed_token_ids": _convert_ids("allowed_token_ids", values["allowed_token_ids"]),
+         "bad_words": _convert_words(values["bad_words"])}
+  out.update(_numbers(values, ("no_repeat_ngram_size",)))
+  return out
+
+
+def _sanitize_token_sets(p) -> dict:
+  ids, biases = p.logit_bias
+  return dict(logit_bias=(ids, _finite(biases)),
+              no_repeat_ngram_size=jnp.maximum(p.no_repeat_ngram_size, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+  check: Callable[[dict], dict]  # the given values -> the family's fields, converted
+  sanitize: Callable[[Any], dict]  # params -> the family's fields, sanitized
+
+
+# In the order their values are checked (the first bad value raises).
+_FAMILIES = (_Family(_check_temperatures, _sanitize_temperatures),
+             _Family(_check_truncations, _sanitize_truncations),
+             _Family(_check_penalties, _sanitize_penalties),
+             _Family(_check_lengths, _sanitize_lengths),
+             _Family(_check_samplers, _sanitize_samplers),
+             _Family(_check_token_sets, _sanitize_token_sets))
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 @jax.tree_util.register_pytree_node_class
@@ -494,13 +631,12 @@ class SamplingParams:
                   dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
                   mirostat=mirostat, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
                   no_repeat_ngram_size=no_repeat_ngram_size)
-    converted = {field.name: _convert(field, values[field.name]) for field in _FIELDS}
-    converted["logit_bias"] = _convert_bias(logit_bias)
-    converted["banned_token_ids"] = _convert_ids("banned_token_ids", banned_token_ids)
-    converted["allowed_token_ids"] = _convert_ids("allowed_token_ids", allowed_token_ids)
-    converted["dry_sequence_breakers"] = _convert_ids("dry_sequence_breakers",
-                                                      dry_sequence_breakers)
-    converted["bad_words"] = _convert_words(bad_words)
+    values.update(logit_bias=logit_bias, banned_token_ids=banned_token_ids,
+                  allowed_token_ids=allowed_token_ids,
+                  dry_sequence_breakers=dry_sequence_breakers, bad_words=bad_words)
+    converted = {}
+    for family in _FAMILIES:  # each checks and converts its own fields
+      converted.update(family.check(values))
     # Every check has passed: now the host arrays go to the device, all in one call.
     for name, value in _place(converted).items():
       object.__setattr__(self, name, value)
@@ -574,31 +710,7 @@ class SamplingParams:
 
   def _broadcast_checked(self, batch_size: int, vocab_size: int | None) -> "SamplingParams":
     """`broadcast` without its cache: every check, then one jitted broadcast."""
-    for name in _NUMBER_NAMES:
-      shape = jnp.shape(getattr(self, name))
-      if shape not in ((), (batch_size,)):
-        raise ValueError(f"SamplingParams.{name} has shape {shape} but the batch has "
-                         f"{batch_size} rows; expected a scalar or shape ({batch_size},)")
-    token_fields = {"logit_bias": self.logit_bias[0], "banned_token_ids": self.banned_token_ids,
-                    "allowed_token_ids": self.allowed_token_ids,
-                    "dry_sequence_breakers": self.dry_sequence_breakers}
-    for name, ids in token_fields.items():
-      if ids.ndim == 2 and ids.shape[0] != batch_size:
-        raise ValueError(f"SamplingParams.{name} has one row of ids for each of {ids.shape[0]} "
-                         f"rows (shape {ids.shape}) but the batch has {batch_size} rows")
-    if self.bad_words.ndim == 3 and self.bad_words.shape[0] != batch_size:
-      raise ValueError(f"SamplingParams.bad_words has sequences for each of "
-                       f"{self.bad_words.shape[0]} rows (shape {self.bad_words.shape}) but the "
-                       f"batch has {batch_size} rows")
-    host = self._host
-    if vocab_size is not None and host is not None:
-      for name in list(token_fields) + ["bad_words"]:
-        ids = np.asarray(host.logit_bias[0] if name == "logit_bias" else getattr(host, name))
-        if np.any(ids >= vocab_size):
-          raise ValueError(f"SamplingParams.{name} has token id "
-                           f"{int(ids[ids >= vocab_size][0])}, outside the vocabulary of the "
-                           f"logits [0, {vocab_size})")
-      _check_allowed_not_all_banned(host.banned_token_ids, host.allowed_token_ids, vocab_size)
+    host = _check_batch(self, batch_size, vocab_size)
     # One jitted call instead of one dispatch per field.
     out = _broadcast_leaves(self, batch_size)
     if host is not None and self._frozen and _is_frozen_array(out.temperature):
@@ -649,40 +761,10 @@ class SamplingParams:
       defaults (5, 0.1), clipped to [0, the largest float32];
     - no_repeat_ngram_size: < 0 -> 0 (disabled).
     """
-    def disabled_if_nan(v, off, lo, hi):
-      return jnp.where(jnp.isnan(v), off, jnp.clip(v, lo, hi))
-
-    def finite(v):
-      return disabled_if_nan(v, 0.0, -_F32_MAX, _F32_MAX)
-
-    rp = self.repetition_penalty
-    ids, biases = self.logit_bias
-    return self._with(
-        temperature=jnp.where(self.temperature > 0, self.temperature, 0.0),  # NaN > 0 is False
-        top_k=jnp.maximum(self.top_k, 0),
-        top_p=disabled_if_nan(self.top_p, 1.0, 0.0, 1.0),
-        min_p=disabled_if_nan(self.min_p, 0.0, 0.0, 1.0),
-        repetition_penalty=jnp.where((rp > 0) & jnp.isfinite(rp), rp, 1.0),
-        presence_penalty=finite(self.presence_penalty),
-        frequency_penalty=finite(self.frequency_penalty),
-        typical_p=disabled_if_nan(self.typical_p, 1.0, 0.0, 1.0),
-        epsilon_cutoff=disabled_if_nan(self.epsilon_cutoff, 0.0, 0.0, 1.0),
-        eta_cutoff=disabled_if_nan(self.eta_cutoff, 0.0, 0.0, 1.0),
-        min_new_tokens=jnp.maximum(self.min_new_tokens, 0),
-        logit_bias=(ids, finite(biases)),
-        top_n_sigma=finite(self.top_n_sigma),
-        xtc_threshold=disabled_if_nan(self.xtc_threshold, 1.0, 0.0, 1.0),
-        xtc_probability=disabled_if_nan(self.xtc_probability, 0.0, 0.0, 1.0),
-        dynatemp_range=disabled_if_nan(self.dynatemp_range, 0.0, 0.0, _F32_MAX),
-        dynatemp_exponent=disabled_if_nan(self.dynatemp_exponent, 1.0, 0.0, _F32_MAX),
-        dry_multiplier=disabled_if_nan(self.dry_multiplier, 0.0, 0.0, _F32_MAX),
-        dry_base=disabled_if_nan(self.dry_base, 1.0, 1.0, _F32_MAX),
-        dry_allowed_length=jnp.maximum(self.dry_allowed_length, 1),
-        dry_penalty_last_n=jnp.maximum(self.dry_penalty_last_n, -1),
-        mirostat=jnp.where(self.mirostat == 2, self.mirostat, 0),
-        mirostat_tau=disabled_if_nan(self.mirostat_tau, 5.0, 0.0, _F32_MAX),
-        mirostat_eta=disabled_if_nan(self.mirostat_eta, 0.1, 0.0, _F32_MAX),
-        no_repeat_ngram_size=jnp.maximum(self.no_repeat_ngram_size, 0))
+    changes = {}
+    for family in _FAMILIES:  # each maps its own fields
+      changes.update(family.sanitize(self))
+    return self._with(**changes)
 
   def rows(self, index) -> "SamplingParams":
     """The params of some rows: `index` is anything that indexes a `[B]` axis (an int array to
@@ -748,6 +830,40 @@ class SamplingParams:
                  np.any((np.asarray(host.dry_multiplier) != 0) &
                         (np.asarray(host.dry_penalty_last_n) != 0))),
             bool(np.any((xtc[0] > 0) & (xtc[0] < 1) & (xtc[1] <= 0.5))))
+
+
+def _check_batch(params: "SamplingParams", batch_size: int,
+                 vocab_size: int | None) -> "SamplingParams | None":
+  """ValueError unless every field fits a batch of `batch_size` rows and, when `vocab_size` is
+  given, every concrete token id is below it and no row bans every token it allows. Returns the
+  params' host copy (None when traced)."""
+  for name in _NUMBER_NAMES:
+    shape = jnp.shape(getattr(params, name))
+    if shape not in ((), (batch_size,)):
+      raise ValueError(f"SamplingParams.{name} has shape {shape} but the batch has "
+                       f"{batch_size} rows; expected a scalar or shape ({batch_size},)")
+  token_fields = {"logit_bias": params.logit_bias[0],
+                  "banned_token_ids": params.banned_token_ids,
+                  "allowed_token_ids": params.allowed_token_ids,
+                  "dry_sequence_breakers": params.dry_sequence_breakers}
+  for name, ids in token_fields.items():
+    if ids.ndim == 2 and ids.shape[0] != batch_size:
+      raise ValueError(f"SamplingParams.{name} has one row of ids for each of {ids.shape[0]} "
+                       f"rows (shape {ids.shape}) but the batch has {batch_size} rows")
+  if params.bad_words.ndim == 3 and params.bad_words.shape[0] != batch_size:
+    raise ValueError(f"SamplingParams.bad_words has sequences for each of "
+                     f"{params.bad_words.shape[0]} rows (shape {params.bad_words.shape}) but the "
+                     f"batch has {batch_size} rows")
+  host = params._host  # pylint: disable=protected-access
+  if vocab_size is not None and host is not None:
+    for name in list(token_fields) + ["bad_words"]:
+      ids = np.asarray(host.logit_bias[0] if name == "logit_bias" else getattr(host, name))
+      if np.any(ids >= vocab_size):
+        raise ValueError(f"SamplingParams.{name} has token id "
+                         f"{int(ids[ids >= vocab_size][0])}, outside the vocabulary of the "
+                         f"logits [0, {vocab_size})")
+    _check_allowed_not_all_banned(host.banned_token_ids, host.allowed_token_ids, vocab_size)
+  return host
 
 
 def _broadcast_with(xp, params: SamplingParams, batch: int) -> SamplingParams:
@@ -836,7 +952,6 @@ def check_eos_not_forced(params: SamplingParams, eos_ids, vocab: int) -> None:
                        f"nothing could be selected; allow other tokens or lower min_new_tokens")
 
 
-_BY_NAME = {f.name: f for f in _FIELDS}
 
 
 def as_field(name: str, value) -> jax.Array:
