@@ -40,6 +40,17 @@ def _assert_bitwise(a, b, what=""):
       f"{np.nanmax(np.abs(a.astype(np.float64) - b)):.3g}"
 
 
+def _assert_row_in_batch(fn, needle, alone, rng, *, batch, slot, args=(), scale=1.0):
+  """`fn`'s outputs for the batch of one `needle` (`alone`) are bitwise those of row `slot` of a
+  batch of `batch` random rows (standard normal times `scale`, drawn from `rng`) holding the
+  needle there; `args` follow the batch. Outputs are pytrees, compared leaf by leaf."""
+  x = rng.standard_normal((batch, *needle.shape[1:])).astype(np.float32) * scale
+  x[slot] = needle[0]
+  together, _ = jax.tree_util.tree_flatten_with_path(fn(x, *args))
+  for (path, a), b in zip(together, jax.tree.leaves(alone)):
+    _assert_bitwise(a[slot], b[0], f"{jax.tree_util.keystr(path)}, batch {batch}, slot {slot}")
+
+
 def _weights(seed=0):
   rng = np.random.default_rng(seed)
   return dict(w=rng.standard_normal((D, F)).astype(np.float32) / 6,
@@ -143,11 +154,8 @@ def _check_rows(group, batch):
   needle, alone = _needle(group)
   rng = np.random.default_rng(batch)
   slot = int(rng.integers(batch))
-  x = rng.standard_normal((batch, D)).astype(np.float32) * 3
-  x[slot] = needle[0]
-  together = _group_program(group)(x, **_weights())
-  for name, value in together.items():
-    _assert_bitwise(value[slot], alone[name][0], f"{name}, batch {batch}, slot {slot}")
+  _assert_row_in_batch(lambda x: _group_program(group)(x, **_weights()), needle, alone, rng,
+                       batch=batch, slot=slot, scale=3)
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))
@@ -348,25 +356,26 @@ def test_nested_control_flow_scan_inside_jit_inside_cond():
     needle = np.abs(needle) * sign
     alone = rows(needle, w)
     np.testing.assert_allclose(alone[0][0], jax.jit(f)(needle[0], w)[0], rtol=2e-5, atol=2e-5)
-    for batch in (7,):
-      x = rng.standard_normal((batch, 4, 9)).astype(np.float32)
-      x[1] = needle[0]
-      together = rows(x, w)
-      for a, b in zip(together, alone):
-        _assert_bitwise(a[1], b[0], f"batch {batch}")
+    _assert_row_in_batch(rows, needle, alone, rng, batch=7, slot=1, args=(w,))
+
+
+def _loss(x, w):
+  return jnp.sum(jax.nn.softmax(x @ w, axis=-1) * jnp.arange(F, dtype=jnp.float32)[None])
+
+
+def _rewritten_loss():
+  """`(batch_invariant(_loss), its jitted value, x, w)` for the differentiation tests."""
+  w = _weights()["w"]
+  x = np.random.default_rng(6).standard_normal((3, D)).astype(np.float32)
+  f = batch_invariant(_loss)
+  return f, jax.jit(f)(x, w), x, w
 
 
 def test_grad_forward_values_are_the_rewritten_values():
-  def loss(x, w):
-    return jnp.sum(jax.nn.softmax(x @ w, axis=-1) * jnp.arange(F, dtype=jnp.float32)[None])
-
-  weights = _weights()
-  x = np.random.default_rng(6).standard_normal((3, D)).astype(np.float32)
-  f = batch_invariant(loss)
-  value = jax.jit(f)(x, weights["w"])
-  value2, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, weights["w"])
+  f, value, x, w = _rewritten_loss()
+  value2, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
   _assert_bitwise(value2, value, "value_and_grad's value")
-  plain = jax.grad(loss, argnums=(0, 1))(x, weights["w"])
+  plain = jax.grad(_loss, argnums=(0, 1))(x, w)
   for g, p in zip(grads, plain):
     np.testing.assert_allclose(g, p, rtol=1e-4, atol=1e-5)
 
@@ -374,16 +383,10 @@ def test_grad_forward_values_are_the_rewritten_values():
 @pytest.mark.slow
 def test_jvp_primal_is_the_rewritten_value():
   """jvp works too: the primal is the rewritten value, the tangent the plain function's."""
-  def loss(x, w):
-    return jnp.sum(jax.nn.softmax(x @ w, axis=-1) * jnp.arange(F, dtype=jnp.float32)[None])
-
-  weights = _weights()
-  x = np.random.default_rng(6).standard_normal((3, D)).astype(np.float32)
-  f = batch_invariant(loss)
-  value = jax.jit(f)(x, weights["w"])
-  plain = jax.grad(loss)(x, weights["w"])
+  f, value, x, w = _rewritten_loss()
+  plain = jax.grad(_loss)(x, w)
   primal, tangent = jax.jit(lambda x, w, tx, tw: jax.jvp(f, (x, w), (tx, tw)))(
-      x, weights["w"], np.ones_like(x), np.zeros_like(weights["w"]))
+      x, w, np.ones_like(x), np.zeros_like(w))
   _assert_bitwise(primal, value, "jvp's primal")
   np.testing.assert_allclose(tangent, jnp.sum(plain), rtol=1e-4)
 
@@ -398,10 +401,7 @@ def test_vmap_either_side():
   for fn in (outside, inside):
     alone = fn(needle)
     np.testing.assert_allclose(alone, jax.vmap(row_fn)(needle), rtol=2e-5, atol=1e-6)
-    for batch in (33,):
-      x = rng.standard_normal((batch, D)).astype(np.float32)
-      x[-1] = needle[0]
-      _assert_bitwise(fn(x)[-1], alone[0], f"batch {batch}")
+    _assert_row_in_batch(fn, needle, alone, rng, batch=33, slot=-1)
 
 
 def test_scatter_add_of_a_vmapped_function():
@@ -431,10 +431,8 @@ def test_custom_vjp_and_checkpoint_inside():
   w = _weights()["w"]
   rng = np.random.default_rng(10)
   needle = rng.standard_normal((1, D)).astype(np.float32)
-  x = rng.standard_normal((7, D)).astype(np.float32)
-  x[4] = needle[0]
   fn = jax.jit(batch_invariant(f))
-  _assert_bitwise(fn(x, w)[4], fn(needle, w)[0], "batch 7")
+  _assert_row_in_batch(fn, needle, fn(needle, w), rng, batch=7, slot=4, args=(w,))
   np.testing.assert_allclose(fn(needle, w), f(needle, w), rtol=1e-5)
   grad = jax.grad(lambda x: jnp.sum(batch_invariant(f)(x, w)))(needle)
   np.testing.assert_allclose(grad, jax.grad(lambda x: jnp.sum(f(x, w)))(needle), rtol=1e-5)
@@ -531,10 +529,7 @@ def test_transformer_block_rows_bitwise():
   needle = rng.standard_normal((1, 5, 16)).astype(np.float32)
   alone = block(needle, p)
   np.testing.assert_allclose(alone, _block(needle, p), rtol=1e-4, atol=1e-5)
-  for batch in (7,):
-    x = rng.standard_normal((batch, 5, 16)).astype(np.float32)
-    x[batch // 2] = needle[0]
-    _assert_bitwise(block(x, p)[batch // 2], alone[0], f"batch {batch}")
+  _assert_row_in_batch(block, needle, alone, rng, batch=7, slot=3, args=(p,))
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
