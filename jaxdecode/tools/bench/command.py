@@ -52,15 +52,15 @@ def build_parser(prog: str = "python -m jaxdecode.bench") -> argparse.ArgumentPa
   parser.add_argument("--no-spec", action="store_true",
                       help="skip the speculative-decoding table")
   parser.add_argument("--no-stream", action="store_true", help="skip the streaming table")
-  parser.add_argument("--scoring", action=argparse.BooleanOptionalAction, default=None,
-                      help="include (or, with --no-scoring, skip) the scoring table (rollouts "
-                           "with log-probs, the training step); by default it follows --decode, "
-                           "so --no-kernels --no-decode --scoring runs it alone")
   parser.add_argument("--structured", action=argparse.BooleanOptionalAction, default=None,
                       help="include (or, with --no-structured, skip) the structured-decoding "
                            "table; by default it follows --decode like the other model tables "
                            "(on unless --no-decode), so --no-kernels --no-decode --structured "
                            "runs it alone (about 2 minutes, --quick too)")
+  parser.add_argument("--scoring", action=argparse.BooleanOptionalAction, default=None,
+                      help="include (or, with --no-scoring, skip) the scoring table (rollouts "
+                           "with log-probs, the training step); by default it follows --decode, "
+                           "so --no-kernels --no-decode --scoring runs it alone")
   parser.add_argument("--all-peers", action="store_true",
                       help=f"time the sort-based peers also where B*V > {PEER_MAX_ELEMENTS} "
                            f"(20-30 minutes more)")
