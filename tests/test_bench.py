@@ -463,3 +463,14 @@ def test_scoring_table_on_a_tiny_model():
   assert sum(line.startswith(("invariant ", "plain ")) for line in table.splitlines()) == 2
   assert max(len(line) for line in table.splitlines()) <= 100
   json.dumps(bench._finite(result), allow_nan=False)
+
+
+@pytest.mark.parametrize("kwargs", [dict(batches=(0,)), dict(batches=()), dict(runs=0),
+                                    dict(max_new_tokens=1.5)])
+def test_scoring_table_refuses_bad_sizes_before_compiling(kwargs):
+  def loader(invariant):
+    pytest.fail("must not load a model")
+
+  name = next(iter(kwargs))
+  with pytest.raises(ValueError, match=name):
+    bench.scoring_table(loader=loader, **kwargs)

@@ -113,7 +113,16 @@ def scoring_table(*, batches: Sequence[int] = FULL["batches"], runs: int = SCORI
                   loader: Callable[[bool], Any] | None = None,
                   progress: Callable[[str], None] | None = None) -> list[dict]:
   """`scoring_row` for each batch size, its two rows one after the other (a batch size that
-  cannot run is one row `{"mode": "-", "batch", "skipped"}`)."""
+  cannot run is one row `{"mode": "-", "batch", "skipped"}`).
+
+  Raises:
+    ValueError: `batches`, `runs` or `max_new_tokens` not positive integers (before anything
+      compiles).
+  """
+  for name, values in (("batches", batches), ("runs", [runs]),
+                       ("max_new_tokens", [max_new_tokens])):
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+      raise ValueError(f"{name} must be positive integers; got {values!r}")
   grouped = table_rows(
       [(batch, lambda batch=batch: {"rows": scoring_row(
           batch, runs=runs, max_new_tokens=max_new_tokens, loader=loader)})
