@@ -64,3 +64,24 @@ def test_the_bench_entry_point_imports_nothing_when_imported():
   tree = parse(os.path.join(ROOT, "bench.py"))
   top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
   assert not top_level
+
+
+TOOLS_MAX_FUNCTION_LINES = 60  # issue 42: the tools in rooms their size
+
+
+def test_no_function_in_the_tools_is_over_60_lines():
+  """Every function of jaxdecode/tools (at any depth: the bench package, nested functions),
+  counted from its `def` to its last line (its docstring included, its decorators not)."""
+  folder = os.path.join(ROOT, "tools")
+  long = []
+  for dirpath, _, files in os.walk(folder):
+    for name in sorted(files):
+      if not name.endswith(".py"):
+        continue
+      path = os.path.join(dirpath, name)
+      for node in ast.walk(parse(path)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+          lines = node.end_lineno - node.lineno + 1
+          if lines > TOOLS_MAX_FUNCTION_LINES:
+            long.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+  assert not long, long

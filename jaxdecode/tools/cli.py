@@ -33,62 +33,70 @@ from jaxdecode.tools import sweep
 from jaxdecode.tools._args import OneLineParser, integer, number, positive_int, seed
 
 
-def build_parser() -> argparse.ArgumentParser:
-  parser = OneLineParser(prog="jaxdecode", description=__doc__.splitlines()[0])
-  sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+# The SamplingParams fields set by flags of their own name, and the flags' defaults (the fields'
+# defaults: a flag left at its default is not passed on).
+_CONTROL = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_new_tokens": 0,
+            "top_n_sigma": 0.0, "xtc_threshold": 0.1, "xtc_probability": 0.0,
+            "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "dry_multiplier": 0.0,
+            "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+            "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
+            "no_repeat_ngram_size": 0}
 
-  g = sub.add_parser("generate", help="continue text prompts with the embedded model")
-  g.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
+
+def _add_sampling_flags(g: argparse.ArgumentParser) -> None:
+  """`generate`'s sampling flags, in --help's order; a `_CONTROL` field's default is its own."""
+  def control(name, kind, metavar=None, help=None, **extra):  # pylint: disable=redefined-builtin
+    g.add_argument("--" + name.replace("_", "-"), type=kind, default=_CONTROL[name],
+                   metavar=metavar, help=help, **extra)
+
   g.add_argument("--temperature", type=number, default=None,
                  help="default 0.8 (1, the model's own distribution, with --beams)")
   g.add_argument("--top-k", type=integer, default=0)
   g.add_argument("--top-p", type=number, default=None, help="default 0.95 (1 with --beams)")
   g.add_argument("--min-p", type=number, default=0.0)
-  g.add_argument("--typical-p", type=number, default=1.0)
-  g.add_argument("--epsilon-cutoff", type=number, default=0.0)
-  g.add_argument("--eta-cutoff", type=number, default=0.0)
-  g.add_argument("--top-n-sigma", type=number, default=0.0, metavar="N",
-                 help="keep the tokens whose logit is within N standard deviations of the "
-                      "largest (llama.cpp's top-nσ; <= 0 off)")
-  g.add_argument("--xtc-threshold", type=number, default=0.1, metavar="P",
-                 help="XTC: the probability from which tokens count as top choices")
-  g.add_argument("--xtc-probability", type=number, default=0.0, metavar="P",
-                 help="XTC: how often a step excludes its top choices but the least probable "
-                      "(0 off)")
-  g.add_argument("--dynatemp-range", type=number, default=0.0, metavar="R",
-                 help="dynamic temperature: from T - R (confident steps) to T + R (uncertain "
-                      "ones), by the step's normalized entropy (0 off)")
-  g.add_argument("--dynatemp-exponent", type=number, default=1.0, metavar="E",
-                 help="dynamic temperature: the power of the normalized entropy")
-  g.add_argument("--dry-multiplier", type=number, default=0.0, metavar="M",
-                 help="DRY: the penalty of a token that extends a repeat of the text (0 off)")
-  g.add_argument("--dry-base", type=number, default=1.75, metavar="B",
-                 help="DRY: the penalty grows as B ** (repeat length - allowed length)")
-  g.add_argument("--dry-allowed-length", type=integer, default=2, metavar="N",
-                 help="DRY: repeats up to N tokens are not penalized")
-  g.add_argument("--dry-penalty-last-n", type=integer, default=-1, metavar="N",
-                 help="DRY: look at the last N tokens of prompt and text (-1: all)")
+  for name in ("typical_p", "epsilon_cutoff", "eta_cutoff"):
+    control(name, number)
+  control("top_n_sigma", number, "N", "keep the tokens whose logit is within N standard "
+          "deviations of the largest (llama.cpp's top-nσ; <= 0 off)")
+  control("xtc_threshold", number, "P", "XTC: the probability from which tokens count as top "
+          "choices")
+  control("xtc_probability", number, "P", "XTC: how often a step excludes its top choices but "
+          "the least probable (0 off)")
+  control("dynatemp_range", number, "R", "dynamic temperature: from T - R (confident steps) to "
+          "T + R (uncertain ones), by the step's normalized entropy (0 off)")
+  control("dynatemp_exponent", number, "E", "dynamic temperature: the power of the normalized "
+          "entropy")
+  control("dry_multiplier", number, "M", "DRY: the penalty of a token that extends a repeat of "
+          "the text (0 off)")
+  control("dry_base", number, "B", "DRY: the penalty grows as B ** (repeat length - allowed "
+          "length)")
+  control("dry_allowed_length", integer, "N", "DRY: repeats up to N tokens are not penalized")
+  control("dry_penalty_last_n", integer, "N", "DRY: look at the last N tokens of prompt and text "
+          "(-1: all)")
   g.add_argument("--dry-sequence-breaker", action="append", default=None, metavar="CHAR",
                  help="DRY: a one-token text that ends a repeat (repeatable; default: "
                       "llama.cpp's newline, ':', '\"' and '*')")
-  g.add_argument("--mirostat", type=integer, default=0, choices=(0, 2), metavar="{0,2}",
-                 help="2: mirostat 2, which steers each step's surprise toward --mirostat-tau")
-  g.add_argument("--mirostat-tau", type=number, default=5.0, metavar="TAU",
-                 help="mirostat: the target surprise, in bits")
-  g.add_argument("--mirostat-eta", type=number, default=0.1, metavar="ETA",
-                 help="mirostat: the learning rate of its state")
-  g.add_argument("--no-repeat-ngram-size", type=integer, default=0, metavar="N",
-                 help="never repeat an n-gram of the prompt and new text (transformers'; 0 off)")
+  control("mirostat", integer, "{0,2}", "2: mirostat 2, which steers each step's surprise "
+          "toward --mirostat-tau", choices=(0, 2))
+  control("mirostat_tau", number, "TAU", "mirostat: the target surprise, in bits")
+  control("mirostat_eta", number, "ETA", "mirostat: the learning rate of its state")
+  control("no_repeat_ngram_size", integer, "N", "never repeat an n-gram of the prompt and new "
+          "text (transformers'; 0 off)")
   g.add_argument("--bad-word", action="append", default=None, metavar="TEXT",
                  help="never produce TEXT (its tokens as one banned sequence; repeatable)")
-  g.add_argument("--repetition-penalty", type=number, default=1.0,
-                 help="HF's rule: > 1 discourages tokens already seen")
-  g.add_argument("--presence-penalty", type=number, default=0.0)
-  g.add_argument("--frequency-penalty", type=number, default=0.0)
+  control("repetition_penalty", number, help="HF's rule: > 1 discourages tokens already seen")
+  control("presence_penalty", number)
+  control("frequency_penalty", number)
   g.add_argument("--penalize-prompt", action="store_true",
                  help="count the prompt's tokens for the penalties (default: only new tokens)")
-  g.add_argument("--min-new-tokens", type=integer, default=0,
-                 help="no end of text before this many new tokens")
+  control("min_new_tokens", integer, help="no end of text before this many new tokens")
+
+
+def _add_generate(g: argparse.ArgumentParser) -> None:
+  """`jaxdecode generate`'s arguments."""
+  g.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
+  _add_sampling_flags(g)
   g.add_argument("--seed", type=seed, default=0)
   g.add_argument("--max-new-tokens", type=positive_int, default=160)
   g.add_argument("--greedy", action="store_true", help="temperature 0 (overrides --temperature)")
@@ -134,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                  help="print text as it is generated (default: on a terminal, when nothing "
                       "needs the whole output: no --json, --beams, --draft, --top-logprobs)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = OneLineParser(prog="jaxdecode", description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+
+  _add_generate(sub.add_parser("generate", help="continue text prompts with the embedded model"))
 
   e = sub.add_parser("eval", help="the model's loss on a text file, in nats and bits per byte")
   e.add_argument("file")
@@ -197,15 +212,6 @@ def _load_model(path):
   return models.load_checkpoint(path)[0]
 
 
-_CONTROL = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_new_tokens": 0,
-            "top_n_sigma": 0.0, "xtc_threshold": 0.1, "xtc_probability": 0.0,
-            "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "dry_multiplier": 0.0,
-            "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
-            "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
-            "no_repeat_ngram_size": 0}
-
-
 def _bad_words(texts) -> list | None:
   """--bad-word TEXTs -> token sequences (the embedded byte tokenizer's, no BOS)."""
   if not texts:
@@ -231,31 +237,9 @@ def _breakers(texts) -> list[int]:
 
 
 def _generate(args) -> None:
-  for i, prompt in enumerate(args.prompts):
-    if not prompt.strip():
-      raise ValueError(f"prompt {i + 1} is empty; give some text to continue")
+  _check_generate(args)
   beams = args.beams
-  if beams is None and (args.num_return != 1 or args.length_penalty != 1.0):
-    raise ValueError("--num-return and --length-penalty apply to beam search: add --beams K")
-  if beams is not None and args.greedy:
-    raise ValueError("--greedy and --beams exclude each other: beam search is already "
-                     "deterministic (--greedy would make every beam a point mass)")
-  if args.min_new_tokens > args.max_new_tokens:
-    raise ValueError(f"--min-new-tokens {args.min_new_tokens} is more than --max-new-tokens "
-                     f"{args.max_new_tokens}: no row could end with EOS; use at most "
-                     f"{args.max_new_tokens}")
-  if beams is not None and args.num_return > beams:
-    raise ValueError(f"--num-return {args.num_return} is more than --beams {beams}: the search "
-                     f"keeps {beams} beams per prompt")
-  temperature = 0.0 if args.greedy else args.temperature
-  if temperature is None:
-    temperature = 1.0 if beams else 0.8
-  top_p = args.top_p if args.top_p is not None else 1.0 if beams else 0.95
-  control = {name: getattr(args, name) for name in _CONTROL if getattr(args, name) !=
-             _CONTROL[name]}
-  params = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=top_p,
-                          min_p=args.min_p, bad_words=_bad_words(args.bad_word),
-                          dry_sequence_breakers=_breakers(args.dry_sequence_breaker), **control)
+  params, temperature, top_p, control = _sampling(args)
   if args.draft is None and args.num_draft_tokens != 4:
     raise ValueError("--num-draft-tokens applies to speculative decoding: add --draft")
   if args.draft is not None and beams is not None:
@@ -289,8 +273,52 @@ def _generate(args) -> None:
   if args.json:
     print(_json_report(args, out, dict(options, **extra, params=None, model=None), settings=params))
     return _report_dead_ends(args, out)
-  for i, prompt in enumerate([] if streaming else args.prompts):
-    if beams is None:
+  if not streaming:
+    _print_rows(args, out)
+  print(_settings_line(args, out, temperature, top_p, control))
+  return _report_dead_ends(args, out)
+
+
+def _check_generate(args) -> None:
+  """ValueError naming the flag for `generate` flags that cannot go together."""
+  for i, prompt in enumerate(args.prompts):
+    if not prompt.strip():
+      raise ValueError(f"prompt {i + 1} is empty; give some text to continue")
+  beams = args.beams
+  if beams is None and (args.num_return != 1 or args.length_penalty != 1.0):
+    raise ValueError("--num-return and --length-penalty apply to beam search: add --beams K")
+  if beams is not None and args.greedy:
+    raise ValueError("--greedy and --beams exclude each other: beam search is already "
+                     "deterministic (--greedy would make every beam a point mass)")
+  if args.min_new_tokens > args.max_new_tokens:
+    raise ValueError(f"--min-new-tokens {args.min_new_tokens} is more than --max-new-tokens "
+                     f"{args.max_new_tokens}: no row could end with EOS; use at most "
+                     f"{args.max_new_tokens}")
+  if beams is not None and args.num_return > beams:
+    raise ValueError(f"--num-return {args.num_return} is more than --beams {beams}: the search "
+                     f"keeps {beams} beams per prompt")
+
+
+def _sampling(args) -> tuple:
+  """`(params, temperature, top_p, control)`: the `SamplingParams` of the flags, the temperature
+  and top-p they resolve to, and the `_CONTROL` fields set away from their defaults."""
+  beams = args.beams
+  temperature = 0.0 if args.greedy else args.temperature
+  if temperature is None:
+    temperature = 1.0 if beams else 0.8
+  top_p = args.top_p if args.top_p is not None else 1.0 if beams else 0.95
+  control = {name: getattr(args, name) for name in _CONTROL if getattr(args, name) !=
+             _CONTROL[name]}
+  params = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=top_p,
+                          min_p=args.min_p, bad_words=_bad_words(args.bad_word),
+                          dry_sequence_breakers=_breakers(args.dry_sequence_breaker), **control)
+  return params, temperature, top_p, control
+
+
+def _print_rows(args, out) -> None:
+  """Each prompt's continuations (samples, or beams with their scores) as text."""
+  for i, prompt in enumerate(args.prompts):
+    if args.beams is None:
       for j in range(args.n):
         row = i * args.n + j
         print(f"--- [{i + 1}] {prompt!r}" + (f" sample {j + 1}/{args.n}" if args.n > 1 else ""))
@@ -308,6 +336,11 @@ def _generate(args) -> None:
     if args.prompt_logprobs:
       lp = out.prompt_logprobs[i]
       print(f"    prompt log-probability {float(lp.sum()):.4f} over {lp.size} tokens")
+
+
+def _settings_line(args, out, temperature, top_p, control) -> str:
+  """The last line: the settings that differ from the defaults, and the speed."""
+  beams = args.beams
   if beams is None:
     settings = ("greedy" if args.greedy else
                 f"temperature={temperature:g} top_k={args.top_k} top_p={top_p:g} "
@@ -325,10 +358,9 @@ def _generate(args) -> None:
   if args.draft is not None:
     settings += (f" draft={args.draft} K={args.num_draft_tokens} (acceptance "
                  f"{out.acceptance_rate:.0%}, {out.calls} model calls)")
-  print(f"--- {settings}{'' if beams else f' seed={args.seed}'} | {len(args.prompts)} prompt(s), "
-        f"{int(out.lengths.sum())} new tokens in {out.seconds:.2f} s "
-        f"({out.tokens_per_second:.0f} tokens/s, compilation included)")
-  return _report_dead_ends(args, out)
+  return (f"--- {settings}{'' if beams else f' seed={args.seed}'} | {len(args.prompts)} "
+          f"prompt(s), {int(out.lengths.sum())} new tokens in {out.seconds:.2f} s "
+          f"({out.tokens_per_second:.0f} tokens/s, compilation included)")
 
 
 DEAD_END = 3  # generate's exit status when a row stopped at a dead end

@@ -45,7 +45,7 @@ import math
 import os
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -240,12 +240,7 @@ def run_sweep(out_dir, *, quick: bool = False, seed: int = 0, prompts: Sequence[
                                  else prompts)
   if max_new_tokens is None:
     max_new_tokens = QUICK_MAX_NEW_TOKENS if quick else MAX_NEW_TOKENS
-  grid = tuple(grid)
-  if not grid or not all(isinstance(s, Setting) for s in grid):
-    raise ValueError(f"grid must be a non-empty list of Setting; got {grid!r:.80}")
-  names = [s.name for s in grid]
-  if len(set(names)) != len(names):
-    raise ValueError(f"grid settings need distinct names; got {names}")
+  grid = _checked_grid(grid)
   params = grid_params(grid, len(prompts))  # validates every value
   out_dir = _files.check_output_dir(out_dir, "sweep output folder")
   if model is None:
@@ -260,8 +255,46 @@ def run_sweep(out_dir, *, quick: bool = False, seed: int = 0, prompts: Sequence[
                  max_new_tokens=max_new_tokens, tokenizer=tok)
   say(f"generated {int(gen.lengths.sum())} tokens in {gen.seconds:.1f} s; scoring them under "
       f"the model (teacher forcing)")
-  prompt_tokens, prompt_lengths = right_pad([tok.encode(p) for p in prompts] * n_settings,
-                                           pad_id=tok.PAD, buckets=None)
+  arrays = _scored(model, gen, [tok.encode(p) for p in prompts] * n_settings, params, keys,
+                   pad_id=tok.PAD, shape=(n_settings, n_prompts))
+  rows = [_row(setting, {k: v[s] for k, v in arrays.items()}) for s, setting in enumerate(grid)]
+  texts = [gen.texts[s * n_prompts:(s + 1) * n_prompts] for s in range(n_settings)]
+
+  paths = _write_outputs(out_dir, rows, grid, prompts, texts, title=(
+      f"{n_prompts} prompts x {max_new_tokens} new tokens, seed {seed}, the same keys for every "
+      f"setting"), say=say)
+  seconds = time.perf_counter() - started
+  say(f"wrote {', '.join(p for p in paths if p)} ({seconds:.0f} s in all)")
+  return {"rows": rows, "csv": paths[0], "png": paths[1], "samples": paths[2], "grid": grid,
+          "prompts": prompts, "max_new_tokens": int(max_new_tokens), "seed": int(seed),
+          "seconds": seconds, "texts": texts, **arrays}
+
+
+def _row(setting: Setting, arrays: Mapping) -> dict:
+  """One setting's row of the table: its values, then its metrics (`setting_metrics`)."""
+  row = {"setting": setting.name, "temperature": setting.temperature, "top_k": setting.top_k,
+         "top_p": setting.top_p, "min_p": setting.min_p,
+         "others": " ".join(f"{k}={v:g}" for k, v in setting.others)}
+  row.update(setting_metrics(arrays["tokens"], arrays["lengths"], arrays["log_likelihoods"],
+                             arrays["entropies"], arrays["finished"]))
+  return row
+
+
+def _checked_grid(grid: Sequence[Setting]) -> tuple[Setting, ...]:
+  """The grid as a tuple, checked: a non-empty list of `Setting` with distinct names."""
+  grid = tuple(grid)
+  if not grid or not all(isinstance(s, Setting) for s in grid):
+    raise ValueError(f"grid must be a non-empty list of Setting; got {grid!r:.80}")
+  names = [s.name for s in grid]
+  if len(set(names)) != len(names):
+    raise ValueError(f"grid settings need distinct names; got {names}")
+  return grid
+
+
+def _scored(model, gen, prompt_ids, params, keys, *, pad_id: int, shape: tuple[int, int]) -> dict:
+  """The rows of `gen` scored under the model (teacher forcing): `tokens`, `lengths`,
+  `finished`, `logprobs`, `log_likelihoods` and `entropies`, each `[S, P, ...]` (`shape`)."""
+  prompt_tokens, prompt_lengths = right_pad(prompt_ids, pad_id=pad_id, buckets=None)
   logits = teacher_forced_logits(model, prompt_tokens, prompt_lengths, gen.tokens)
   log_likelihoods = np.asarray(metrics.token_log_likelihoods(logits, gen.tokens, gen.lengths))
   # The prompts as generate gave them to decode (-1 padding): the history DRY reads.
@@ -272,37 +305,25 @@ def run_sweep(out_dir, *, quick: bool = False, seed: int = 0, prompts: Sequence[
   del logits
 
   def per_setting(x):  # [S * P, ...] -> [S, P, ...]
-    return np.asarray(x).reshape(n_settings, n_prompts, *np.shape(x)[1:])
+    return np.asarray(x).reshape(*shape, *np.shape(x)[1:])
 
-  arrays = {"tokens": per_setting(gen.tokens), "lengths": per_setting(gen.lengths),
-            "finished": per_setting(gen.finished), "logprobs": per_setting(gen.logprobs),
-            "log_likelihoods": per_setting(log_likelihoods), "entropies": per_setting(entropies)}
-  rows = []
-  for s, setting in enumerate(grid):
-    row = {"setting": setting.name, "temperature": setting.temperature, "top_k": setting.top_k,
-           "top_p": setting.top_p, "min_p": setting.min_p,
-           "others": " ".join(f"{k}={v:g}" for k, v in setting.others)}
-    row.update(setting_metrics(arrays["tokens"][s], arrays["lengths"][s],
-                               arrays["log_likelihoods"][s], arrays["entropies"][s],
-                               arrays["finished"][s]))
-    rows.append(row)
-  texts = [gen.texts[s * n_prompts:(s + 1) * n_prompts] for s in range(n_settings)]
+  return {"tokens": per_setting(gen.tokens), "lengths": per_setting(gen.lengths),
+          "finished": per_setting(gen.finished), "logprobs": per_setting(gen.logprobs),
+          "log_likelihoods": per_setting(log_likelihoods), "entropies": per_setting(entropies)}
 
+
+def _write_outputs(out_dir: str, rows, grid, prompts, texts, *, title: str, say) -> tuple:
+  """Writes sweep.csv, sweep.png (when matplotlib is installed) and samples.txt into `out_dir`;
+  returns their paths (None for a plot not drawn)."""
   csv_path = os.path.join(out_dir, "sweep.csv")
   write_csv(rows, csv_path)
   png_path = os.path.join(out_dir, "sweep.png")
-  if not plot(rows, grid, png_path, title=f"{n_prompts} prompts x {max_new_tokens} new tokens, "
-                                          f"seed {seed}, the same keys for every setting"):
+  if not plot(rows, grid, png_path, title=title):
     say("matplotlib is not installed: no sweep.png (pip install 'jaxdecode[plot]')")
     png_path = None
   samples_path = os.path.join(out_dir, "samples.txt")
   write_samples(grid, prompts, texts, samples_path)
-  seconds = time.perf_counter() - started
-  say(f"wrote {', '.join(p for p in (csv_path, png_path, samples_path) if p)} "
-      f"({seconds:.0f} s in all)")
-  return {"rows": rows, "csv": csv_path, "png": png_path, "samples": samples_path, "grid": grid,
-          "prompts": prompts, "max_new_tokens": int(max_new_tokens), "seed": int(seed),
-          "seconds": seconds, "texts": texts, **arrays}
+  return csv_path, png_path, samples_path
 
 
 def _format(column: str, value) -> str:
