@@ -57,11 +57,13 @@ Tables:
    least `scoring.SCORING_RUNS` runs.
 
 Duration on 2 CPU cores (AMD EPYC), measured: the kernel and control tables about 8 minutes, the
-model tables 24 (decode 1.6, beam 1, numerics 2.5, speculative 16, streaming 1, structured 2);
+model tables 24 (decode 1.6, beam 1, numerics 2.5, speculative 16, streaming 1, structured 2)
+and the scoring table 15 (6.5 with `--quick`; both measured with the 2 cores shared, load 9-10);
 `--no-kernels` runs the model tables alone, `--no-kernels --no-decode --structured` the
 structured table alone (about 2 minutes, with `--quick` too: its compile rows are timed once,
 and half of it is compiling the decode loop). `--quick` (B = 8 kernels; numerics at B = 1, 8;
-speculative at B = 1, K = 4; streaming at B = 1; 10 runs) takes roughly 10-12 minutes. Up to
+speculative at B = 1, K = 4; streaming at B = 1; 10 runs) takes roughly 10-12 minutes, and
+the scoring table's 6.5 more (`--no-scoring` leaves it out). Up to
 twice that when the cores are shared. The sort-based peers are slow at large sizes, so by
 default they are timed only where B*V <= `PEER_MAX_ELEMENTS` (B <= 8, and B = 64 with
 V = 32000); `--all-peers` times them everywhere (about 20-30 more minutes).
