@@ -43,6 +43,7 @@ from jaxdecode import _platform
 from jaxdecode import processors
 from jaxdecode import sampling
 from jaxdecode import structured
+from jaxdecode.prompts import right_pad
 from jaxdecode.batch_invariant import batch_invariant as _batch_invariant
 
 
@@ -93,6 +94,17 @@ class Adapter:
       raise ValueError(f"structured output needs an EOS id to end a match; {self.name} has "
                        f"none: give eos_ids=[...] to the adapter")
     return self.tokenizer.vocabulary()
+
+  def batch_prefill(self, extra: int) -> Callable:
+    """`prefill(prompts) -> (logits, state, positions)` for token lists, with room for `extra`
+    more tokens per row: the contract of `jaxdecode.audit` (right padding, exact widths)."""
+    extra = _checks.integer("extra", extra, low=1)
+
+    def run(prompts):
+      tokens, lengths = right_pad(prompts, pad_id=self.pad_id, buckets=None)
+      return self.prefill(tokens, lengths, tokens.shape[1] + extra)
+
+    return run
 
   def repeat_rows(self, state, n: int):
     """`state` with every row repeated n times in place (prompt-major), shared leaves kept."""
