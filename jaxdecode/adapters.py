@@ -451,15 +451,15 @@ def _with_index(cache, index):
 
 def _make_room(cache, slots, positions, width: int):
   """Forgets slots at or past each row's position (rejected drafts), moves the shared write
-  index to just after the last slot a row holds, and, for a multi-token call that would not fit
-  there, moves each row's held slots to the front, in order. Returns (cache, slots)."""
+  index to just after the last slot a row holds, and, for a call that would not fit there,
+  moves each row's held slots to the front, in order. Returns (cache, slots)."""
   slots = jnp.where(slots >= positions[:, None], -1, slots)
   size = slots.shape[1]
   last = jnp.max(jnp.where(jnp.any(slots >= 0, axis=0),
                            jnp.arange(1, size + 1, dtype=jnp.int32), 0))
   cache = _with_index(cache, last)
-  if width == 1:  # one slot per call: a row's next slot is always right after the furthest's
-    return cache, slots
+  # Needed only where rows moved apart (speculative rounds, a draft model's steps): decode and
+  # beams from a prefill never get here on CPU and TPU; on GPU the gather runs as identity.
   needed = last + width > size
 
   def compact(x):
@@ -476,15 +476,8 @@ def _make_room(cache, slots, positions, width: int):
   return _platform.skip_unless(needed, compact, (cache, slots))
 
 
-def _position_limit(max_positions: int, state) -> int | None:
-  """The positions the state holds for the loops' check (`decoding.check_fits`): after the row
-  furthest along, as many as the cache has free slots (every row's next call writes at the one
-  shared index), and at most the model's context."""
-  slots = state["slots"]
-  if _checks.is_traced(slots):
-    return None
-  slots = np.asarray(slots)
-  held = slots >= 0
-  last = int(np.max(np.where(held.any(axis=0), np.arange(1, slots.shape[1] + 1), 0)))
-  furthest = int(slots.max()) + 1
-  return min(max_positions, furthest + slots.shape[1] - last)
+def _position_limit(max_positions: int, state) -> int:
+  """The positions the state holds for the loops' check (`decoding.check_fits`): every row can
+  hold as many positions as the cache has slots (a call that would not fit at the shared write
+  index first moves each row's slots to the front), and at most the model's context."""
+  return min(max_positions, int(jnp.shape(state["slots"])[1]))

@@ -136,8 +136,11 @@ def test_cache_bookkeeping_forgets_rejected_drafts_rewinds_and_compacts_in_order
   # Three tokens fit at slot 4: nothing moves.
   same, _ = _make_room(cache, slots, positions, 3)
   np.testing.assert_array_equal(same["layer"]["cached_key"], k)
-  # The loops' check: the furthest row (next position 4) has 8 - 4 free slots after it.
-  assert _position_limit(64, {"slots": slots}) == 4 + 8 - 6
+  # Row 0 (position 4) steps: index 4 fits one more token, nothing moves.
+  one, _ = _make_room(cache, slots, jnp.array([4, 4], jnp.int32), 1)
+  np.testing.assert_array_equal(one["layer"]["cached_key"], k)
+  # The loops' check: each row can hold as many positions as there are slots, up to the context.
+  assert _position_limit(64, {"slots": slots}) == 8
   assert _position_limit(5, {"slots": slots}) == 5
 
 
