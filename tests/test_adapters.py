@@ -343,3 +343,23 @@ def test_the_command_takes_a_local_transformers_checkpoint(hf_tokenizer, tmp_pat
   cli.main(["generate", "--model", str(tmp_path), "--greedy", "--max-new-tokens", "5",
             "--no-stream", "hello"])
   assert "hello" + expected.texts[0] in capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.slow
+def test_score_with_the_adapters_logits_fn_gives_the_loops_log_probs(hf_tokenizer):
+  """`jaxdecode.score(adapter.logits_fn, ...)` over prompt + sampled tokens (one forward pass,
+  right-padded) gives `decode`'s processed log-probabilities bitwise, under batch_invariant
+  (where the prefill's T-wide pass and the 1-token steps compute each row's sums alike)."""
+  adapter = _adapter("gpt2", hf_tokenizer, invariant=True)[0]
+  ids = [hf_tokenizer.encode(p) for p in PROMPTS[:3]]
+  tokens, lengths = jaxdecode.right_pad(ids, pad_id=adapter.pad_id, buckets=None)
+  params = jaxdecode.SamplingParams(temperature=0.8, top_p=0.9)
+  logits, state, positions = adapter.prefill(tokens, lengths, tokens.shape[1] + NEW)
+  out = jaxdecode.decode(adapter.step_fn, state, logits, key=jax.random.key(7), params=params,
+                         max_new_tokens=NEW, positions=positions, eos_ids=adapter.eos_ids,
+                         pad_id=adapter.pad_id)
+  scores = jaxdecode.score(adapter.logits_fn, tokens, lengths, out.tokens, params=params,
+                           eos_ids=adapter.eos_ids, pad_id=adapter.pad_id)
+  live = np.arange(NEW)[None, :] < np.asarray(out.lengths)[:, None]
+  np.testing.assert_array_equal(_bits(np.where(live, scores.processed, 0)),
+                                _bits(np.where(live, out.logprobs, 0)))
