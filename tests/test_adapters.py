@@ -236,14 +236,26 @@ def test_best_beam_equals_the_familys_own_beam_search(family, hf_tokenizer):
     assert out.tokens[row, :out.lengths[row]].tolist() == expected, prompt
 
 
+def _without_layer(tree, name):
+  """`tree` without the subtree `name` of any dict that holds layers "0" and `name`."""
+  if not isinstance(tree, dict):
+    return tree
+  return {k: _without_layer(v, name) for k, v in tree.items()
+          if not (k == name and "0" in tree)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_speculative_with_a_draft_of_the_same_family_gives_decodes_bits(family, hf_tokenizer):
-  """A one-layer draft of the same family (other weights): the same tokens and log-probs as
+  """A one-layer draft of the same family (the model's first layer): the same tokens and log-probs as
   without a draft (bitwise, under batch_invariant, where K-token calls are K single steps),
   with rows accepting different numbers of drafts (the per-row slot map at work) and n = 2."""
-  adapter = _adapter(family, hf_tokenizer, invariant=True)[0]
-  draft = _adapter(family, hf_tokenizer, invariant=True, seed=1, layers=1)[0]
+  adapter, _, params = _adapter(family, hf_tokenizer, invariant=True)
+  small, _ = hf_models.model(family, len(hf_tokenizer), POSITIONS, hf_tokenizer.eos_token_id,
+                             layers=1)
+  # Layer skipping: the draft is the model without its last layer (its own weights otherwise).
+  draft = adapters.transformers(small, _without_layer(params, "1"), hf_tokenizer,
+                                batch_invariant=True)
   options = dict(model=adapter, max_new_tokens=12, n=2, seed=3,
                  params=jaxdecode.SamplingParams(temperature=0.7, top_p=0.9))
   plain = jaxdecode.models.generate(PROMPTS, **options)
@@ -297,7 +309,7 @@ def test_a_full_cache_is_refused_and_a_step_past_it_gives_nan_logits(hf_tokenize
   assert adapter.step_fn.position_limit(state) == width + 2
   with pytest.raises(ValueError, match="max_new_tokens=4 does not fit the model state"):
     jaxdecode.decode(adapter.step_fn, state, logits, key=jax.random.key(0), max_new_tokens=4,
-                     positions=positions)
+                     positions=positions, params=jaxdecode.SamplingParams())
   step = positions
   for _ in range(2):  # fills the two free slots
     logits, state = adapter.step_fn(state, jnp.zeros(2, jnp.int32), step)

@@ -5,8 +5,9 @@ settings (top-p 0.9, temperature 1, no top-k, no EOS: every row makes `new` toke
 Random-weight models of the real architectures (nothing is downloaded), a few millions of
 parameters; every program is compiled before timing; the three samplers run alternately, round
 after round, and each figure is the median of the rounds (`block_until_ready` on the tokens).
-`gemma`'s own `Sampler` is not benched: the `gemma` library does not install beside
-jaxdecode's pins (see the README's "Bring your model").
+`gemma`'s own `Sampler` is not benched: jaxdecode has no adapter for the `gemma` library
+(its 3.3 release pulls in tensorflow, kauldron and some 200 packages; see the README's "Bring
+your model"); Gemma's architecture is benched through transformers' `FlaxGemmaForCausalLM`.
 
 Run: `python -m jaxdecode.tools.bench_families [--rounds R] [--new N] [--families gpt2,llama]`.
 """
