@@ -18,7 +18,7 @@ from jaxdecode.beam import beam_search
 from jaxdecode.decoding import check_forced_tokens, decode
 from jaxdecode.models import adapters as model_adapters
 from jaxdecode.models import extras
-from jaxdecode.models.adapters import step_fn_for
+from jaxdecode.models.adapters import step_fn_for  # noqa: F401  (re-exported: its old home)
 from jaxdecode.models.tokenizer import ByteTokenizer
 from jaxdecode.models.transformer import Transformer, prefill
 from jaxdecode.params import SamplingParams, check_eos_not_forced

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode import adapters
-from jaxdecode.batch_invariant import batch_invariant
 from jaxdecode.decoding import decode
 from jaxdecode.params import SamplingParams
 
