@@ -4,6 +4,7 @@ The core (this package's modules) is pure JAX and imports nothing above it; the 
 lives in `jaxdecode.models`, the command and its tools in `jaxdecode.tools`.
 """
 
+from jaxdecode import adapters
 from jaxdecode import metrics
 from jaxdecode import processors
 from jaxdecode import structured
@@ -39,6 +40,7 @@ from jaxdecode.trainer import score
 __version__ = "0.2.0"
 
 __all__ = [
+    "adapters",
     "AuditReport",
     "audit",
     "batch_invariant",

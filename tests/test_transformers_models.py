@@ -31,6 +31,7 @@ from jaxdecode.invariance import _greedy_run
 from jaxdecode.invariance import unordered_sums
 
 transformers = pytest.importorskip("transformers")
+import hf_models  # pylint: disable=wrong-import-position
 
 VOCAB = 97
 CACHE = 24  # cache slots of every run: one decode program per batch size and step function
@@ -54,43 +55,11 @@ def _bits(x):
 
 
 # ---------------------------------------------------------------------------------------------
-# The models: tiny configs, random weights drawn with NumPy (no init forward pass to run).
-
-
-def _config(family):
-  if family == "gpt2":
-    return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB,
-                                   n_positions=POSITIONS, bos_token_id=EOS, eos_token_id=EOS)
-  return transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                  max_position_embeddings=POSITIONS, bos_token_id=EOS,
-                                  eos_token_id=EOS)
-
-
-def _random_params(model, seed=0):
-  """Weights of the model's own structure (`init_weights`, shapes only), drawn with NumPy:
-  norms' scales near 1, biases near 0, matrices large enough that the logits are not flat."""
-  shapes = jax.eval_shape(functools.partial(model.init_weights, jax.random.key(0), (1, 1)))
-  rng = np.random.default_rng(seed)
-
-  def draw(path, leaf):
-    name = jax.tree_util.keystr(path)
-    noise = rng.standard_normal(leaf.shape).astype(np.float32)
-    if leaf.ndim == 1:
-      return (1.0 + 0.1 * noise) if "scale" in name or "weight" in name else 0.1 * noise
-    return (0.4 if "embedding" in name else 0.2) * noise
-
-  return jax.tree_util.tree_map_with_path(draw, shapes)
+# The models: tiny configs, random weights drawn with NumPy (tests/hf_models.py).
 
 
 def _model(family, dtype=jnp.float32):
-  cls = (transformers.FlaxGPT2LMHeadModel if family == "gpt2"
-         else transformers.FlaxLlamaForCausalLM)
-  model = cls(_config(family), dtype=dtype, _do_init=False)
-  params = _random_params(model)
-  if dtype != jnp.float32:
-    params = jax.tree.map(lambda p: p.astype(dtype), params)
-  return model, params
+  return hf_models.model(family, VOCAB, POSITIONS, EOS, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,9 @@ class RowText:
 
   Decoding matches `ByteTokenizer.decode` on the whole sequence: special ids (>= 256) are
   dropped, and invalid UTF-8 becomes U+FFFD (`errors="replace"`); a character whose bytes
-  arrive in different calls is emitted once it is complete.
+  arrive in different calls is emitted once it is complete. With `pieces` (a tokenizer's bytes
+  of each id, e.g. `jaxdecode.adapters.Tokenizer.pieces`), each id stands for its bytes and
+  ids without bytes (None) are dropped.
 
   Attributes:
     text: the text so far; once a stop string matched, the final text (cut before the stop
@@ -45,7 +47,8 @@ class RowText:
     (True, 5, 'l')
   """
 
-  def __init__(self, stop: Sequence[str] = (), include_stop: bool = False):
+  def __init__(self, stop: Sequence[str] = (), include_stop: bool = False, pieces=None):
+    self._pieces = pieces  # the bytes of each id (None or b"" for special ids); None: bytes ids
     self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     self._stop = tuple(stop)
     self._include_stop = include_stop
@@ -62,15 +65,21 @@ class RowText:
       return
     ids = [int(i) for i in ids]
     if not self._stop:  # no stop strings: no need to look at each token's text
-      self.text += self._decoder.decode(bytes(i for i in ids if i < 256))
+      self.text += self._decoder.decode(b"".join(map(self._bytes, ids)))
       self.tokens += len(ids)
       return
     for i in ids:
       self.tokens += 1
-      if i < 256:
-        self._append(self._decoder.decode(bytes((i,))))
+      piece = self._bytes(i)
+      if piece:
+        self._append(self._decoder.decode(piece))
         if self.stopped:
           return
+
+  def _bytes(self, i: int) -> bytes:
+    if self._pieces is None:
+      return bytes((i,)) if i < 256 else b""
+    return (self._pieces[i] if 0 <= i < len(self._pieces) else None) or b""
 
   def close(self) -> None:
     """The row has ended: an incomplete last character becomes U+FFFD (as in `decode`)."""
@@ -105,7 +114,7 @@ class RowText:
 
 
 def cut_at_stops(tokens: np.ndarray, lengths: np.ndarray, stop: Sequence[str],
-                 include_stop: bool):
+                 include_stop: bool, pieces=None):
   """The texts of a batch of new tokens, each row cut at its first stop string.
 
   Args:
@@ -113,6 +122,7 @@ def cut_at_stops(tokens: np.ndarray, lengths: np.ndarray, stop: Sequence[str],
     lengths: int[R] new tokens per row.
     stop: the stop strings (may be empty).
     include_stop: whether a row's text keeps the stop string.
+    pieces: the bytes of each token id (a tokenizer's `pieces`); None for byte ids.
 
   Returns:
     `(texts, lengths, stopped bool[R], keep bool[R, N])`: `keep` is False for the token
@@ -120,7 +130,7 @@ def cut_at_stops(tokens: np.ndarray, lengths: np.ndarray, stop: Sequence[str],
   """
   texts, new_lengths, stopped = [], [], []
   for row, length in zip(tokens, lengths):
-    text = RowText(stop, include_stop)
+    text = RowText(stop, include_stop, pieces)
     text.feed(row[:length])
     text.close()
     texts.append(text.text)

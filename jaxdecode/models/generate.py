@@ -12,19 +12,19 @@ import numpy as np
 from flax import nnx
 
 from jaxdecode import _checks
+from jaxdecode import adapters
 from jaxdecode import structured
 from jaxdecode.beam import beam_search
 from jaxdecode.decoding import check_forced_tokens, decode
+from jaxdecode.models import adapters as model_adapters
 from jaxdecode.models import extras
-from jaxdecode.models.checkpoint import load_default
+from jaxdecode.models.adapters import step_fn_for  # noqa: F401  (re-exported: its old home)
 from jaxdecode.models.tokenizer import ByteTokenizer
-from jaxdecode.models.transformer import DECODE_STATE_AXES, Transformer, make_step_fn, prefill
+from jaxdecode.models.transformer import Transformer, prefill
 from jaxdecode.params import SamplingParams, check_eos_not_forced
 from jaxdecode.processors import token_counts
 from jaxdecode.prompts import bucket_length, right_pad
 from jaxdecode.speculative import ModelDrafter, NgramDrafter, speculative_decode
-
-_STEP_FNS: dict = {}  # one jitted step function per model structure, so decode compiles once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,16 +110,7 @@ def batch_prefill(model: Transformer, *, extra: int, pad_id: int = ByteTokenizer
   return run
 
 
-def step_fn_for(graphdef):
-  """The jitted step function of a model structure, built once (so decode compiles once). Like
-  every `make_step_fn`, it declares `position_limit(state)`, so that `decode`, `beam_search`,
-  `speculative_decode` and `stream` refuse a request that does not fit before running it."""
-  if graphdef not in _STEP_FNS:
-    _STEP_FNS[graphdef] = make_step_fn(graphdef)
-  return _STEP_FNS[graphdef]
-
-
-def generate(prompts: Sequence[str], *, model: Transformer | None = None,
+def generate(prompts: Sequence[str], *, model=None,
              params: SamplingParams | None = None, seed: int = 0, key=None,
              max_new_tokens: int = 128, tokenizer: ByteTokenizer | None = None,
              penalize_prompt: bool = False, beam_size: int | None = None,
@@ -133,12 +124,15 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
 
   Args:
     prompts: non-empty strings.
-    model: a `Transformer` (default: the embedded model, `load_default()`).
+    model: a `Transformer` (default: the embedded model, `load_default()`) or a
+      `jaxdecode.adapters.Adapter` with a tokenizer (e.g. `adapters.transformers(model,
+      params, tokenizer)`): every option below works through an adapter.
     params: `SamplingParams` (default: temperature 1); scalars or one value per prompt.
     seed: used when `key` is None: `key = jax.random.key(seed)`, an integer in [0, 2**32).
     key: one key (row r uses `fold_in(key, r)`) or one key per prompt.
     max_new_tokens: the most tokens to generate per prompt (EOS may stop a row earlier).
-    tokenizer: the byte tokenizer (default `ByteTokenizer()`).
+    tokenizer: with a `Transformer`, its tokenizer (default `ByteTokenizer()`); an adapter
+      has its own.
     penalize_prompt: whether the prompt's tokens count for the penalties of `params` (HF's
       repetition_penalty does count them); by default only generated tokens count (OpenAI's
       and vLLM's presence and frequency penalties).
@@ -149,7 +143,8 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
     length_penalty: with `beam_size`, the exponent of the length in the beam scores.
     draft: None (one model call per token), `"ngram"` (prompt lookup: drafts copied from
       earlier text of the row) or a small `Transformer` with the same vocabulary (e.g.
-      `load_draft()`): speculative decoding with `jaxdecode.speculative_decode`. The output is
+      `load_draft()`), or an `Adapter` of the same vocabulary (a smaller model of the same
+      family): speculative decoding with `jaxdecode.speculative_decode`. The output is
       bit for bit the output without a draft, for every `params` and key; only the number of
       model calls (and the time) changes. Not with `beam_size`.
     num_draft_tokens: with `draft`, the tokens drafted and verified per model call (1..16).
@@ -216,7 +211,8 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
                      "sampled)")
   if forced_tokens is not None:  # its shape and ids, before the prompts are prefilled
     rows = len(_checks.text_prompts(prompts)) * _checks.integer("n", n, low=1)
-    vocab = model.config.vocab_size if model is not None else ByteTokenizer.vocab_size
+    vocab = (ByteTokenizer.vocab_size if model is None else
+             model_adapters.resolve(model, tokenizer).vocab_size)
     forced_tokens = check_forced_tokens(forced_tokens, rows, _checks.integer(
         "max_new_tokens", max_new_tokens, low=1), vocab, "generate")
   batch = prepare(prompts, model=model, params=params, seed=seed, key=key,
@@ -228,22 +224,23 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
                   choices=choices, constraint=constraint)
   tokenizer = batch.tokenizer
   if beam_size is not None:
-    return _beam_generation(batch.graphdef, batch.state, batch.logits, batch.lengths,
+    return _beam_generation(batch.adapter, batch.state, batch.logits, batch.positions,
                             batch.counts, batch.started, tokenizer, batch.params, max_new_tokens,
                             beam_size, num_return, length_penalty,
                             prompt_logprobs=batch.prompt_logprobs, constraint=batch.constraint,
                             prompt_tokens=batch.prompt_tokens)
   stats = {}
   options = dict(key=batch.key, params=batch.params, max_new_tokens=max_new_tokens,
-                 positions=batch.lengths, eos_ids=[tokenizer.EOS], pad_id=tokenizer.PAD,
+                 positions=batch.positions, eos_ids=batch.adapter.eos_ids,
+                 pad_id=batch.adapter.pad_id,
                  counts=batch.counts, constraint=batch.constraint,
                  prompt_tokens=batch.prompt_tokens)
   if draft is None:
-    out = decode(step_fn_for(batch.graphdef), batch.state, batch.logits, **options,
+    out = decode(batch.adapter.step_fn, batch.state, batch.logits, **options,
                  top_logprobs=batch.top_logprobs, logprobs_mode=batch.logprobs_mode,
                  scores=logprob_kinds, forced_tokens=forced_tokens)
   else:
-    out = speculative_decode(step_fn_for(batch.graphdef), batch.state, batch.logits, **options,
+    out = speculative_decode(batch.adapter.step_fn, batch.state, batch.logits, **options,
                              drafter=_drafter(draft, batch), num_draft_tokens=num_draft_tokens,
                              scores=logprob_kinds)
     stats = dict(accepted=np.asarray(out.accepted), drafted=np.asarray(out.drafted),
@@ -254,13 +251,13 @@ def generate(prompts: Sequence[str], *, model: Transformer | None = None,
                                                       np.asarray(out.top_logprobs))
   kinds = None if out.scores is None else type(out.scores)(*map(np.asarray, out.scores))
   if batch.stop:
-    texts, out_lengths, stopped, keep = extras.cut_at_stops(new_tokens, out_lengths, batch.stop,
-                                                            batch.include_stop)
-    new_tokens = np.where(keep, new_tokens, tokenizer.PAD)
+    texts, out_lengths, stopped, keep = extras.cut_at_stops(
+        new_tokens, out_lengths, batch.stop, batch.include_stop, pieces=batch.pieces)
+    new_tokens = np.where(keep, new_tokens, batch.adapter.pad_id)
     logprobs = np.where(keep, logprobs, 0.0).astype(np.float32)
     finished = finished | stopped
     if tops[0] is not None:
-      tops = (np.where(keep[..., None], tops[0], tokenizer.PAD),
+      tops = (np.where(keep[..., None], tops[0], batch.adapter.pad_id),
               np.where(keep[..., None], tops[1], 0.0).astype(np.float32))
     if kinds is not None:
       kinds = type(kinds)(*(np.where(keep, k, 0.0).astype(np.float32) for k in kinds))
@@ -280,8 +277,8 @@ class Prepared:
   Rows are prompts · n, prompt-major; `state`, `logits`, `lengths` and `counts` are per row
   (each prompt's prefill copied n times), `key` holds one typed key per row when n > 1.
   """
-  tokenizer: ByteTokenizer
-  graphdef: nnx.GraphDef
+  tokenizer: object
+  adapter: adapters.Adapter
   ids: list
   tokens: jax.Array
   lengths: jax.Array
@@ -300,6 +297,12 @@ class Prepared:
   logprobs_mode: str
   prompt_logprobs: list | None
   constraint: object = None
+  positions: jax.Array | None = None  # each row's first new position (the adapter's prefill)
+
+  @property
+  def pieces(self):
+    """The bytes of each token id for stop strings (None: the byte tokenizer's ids)."""
+    return getattr(self.tokenizer, "pieces", None)
 
   @property
   def prompt_tokens(self) -> jax.Array:
@@ -331,52 +334,54 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
   logprobs_mode = _checks.logprobs_mode(logprobs_mode)
   prompt_logprobs = _checks.boolean("prompt_logprobs", prompt_logprobs)
   _check_excluded(beam_size, draft, n, stop, top_logprobs, logprobs_mode)
-  if model is None:
-    model, tokenizer = load_default()
-  tokenizer = tokenizer or ByteTokenizer()
+  adapter = model_adapters.resolve(model, tokenizer)
+  tokenizer, vocab, eos_ids = adapter.tokenizer, adapter.vocab_size, list(adapter.eos_ids)
   params = SamplingParams() if params is None else params
   _checks.instance("params", params, SamplingParams, "a jaxdecode.SamplingParams")
-  _check_draft(draft, num_draft_tokens, model, beam_size)
+  draft = _check_draft(draft, num_draft_tokens, adapter, beam_size)
   if key is None:
     key = jax.random.key(_checks.integer("seed", seed, low=0, high=_checks.MAX_SEED))
   _checks.key(key, len(prompts))
 
-  context = model.config.max_len
+  context = adapter.max_positions
   ids = [tokenizer.encode(p) for p in prompts]
   longest = max(len(i) for i in ids)
   if longest + max_new_tokens > context:
-    raise ValueError(f"a prompt of {longest - 1} bytes plus max_new_tokens={max_new_tokens} does "
+    size = (f"{longest - 1} bytes" if isinstance(tokenizer, ByteTokenizer)
+            else f"{longest} tokens")
+    raise ValueError(f"a prompt of {size} plus max_new_tokens={max_new_tokens} does "
                      f"not fit the model's context of {context} tokens; shorten the prompt or "
                      f"lower max_new_tokens")
   width = bucket_length(longest)  # a few widths, so new prompts rarely compile
   if width + max_new_tokens > context:
     width = longest
-  if isinstance(draft, Transformer) and draft.config.max_len < width:
-    raise ValueError(f"the draft model's context ({draft.config.max_len} tokens) is shorter "
+  if isinstance(draft, adapters.Adapter) and draft.max_positions < width:
+    raise ValueError(f"the draft model's context ({draft.max_positions} tokens) is shorter "
                      f"than the prompts ({width} tokens, padded); use a draft with a "
                      f"longer max_len or draft='ngram'")
   # Per-row values and token ids against the prompts and the vocabulary, before the prefill.
-  params.broadcast(len(prompts), model.config.vocab_size)
-  check_eos_not_forced(params, [tokenizer.EOS], model.config.vocab_size)
+  params.broadcast(len(prompts), vocab)
+  check_eos_not_forced(params, eos_ids, vocab)
   _check_min_new_tokens(params, max_new_tokens)
   if beam_size is not None:
-    _checks.beam_size_fits(beam_size, len(prompts), model.config.vocab_size)
+    _checks.beam_size_fits(beam_size, len(prompts), vocab)
   if constraint is not None:
     if any(v is not None for v in (regex, json_schema, choices)):
       raise ValueError("give constraint= or one of regex, json_schema and choices, not both")
-    structured.check(constraint, len(prompts) * n, model.config.vocab_size, "generate")
+    structured.check(constraint, len(prompts) * n, vocab, "generate")
   else:
-    constraint = _constraint(regex, json_schema, choices, len(prompts), n, tokenizer,
-                             model.config.vocab_size)
+    constraint = _constraint(regex, json_schema, choices, len(prompts), n, adapter)
   if constraint is not None:
     if stop:
       raise ValueError(_STOP_WITH_CONSTRAINT)
-    structured.check_eos(constraint, [tokenizer.EOS], "generate")
+    if not eos_ids:
+      raise ValueError(f"a constraint needs an EOS id to end a match; {adapter.name} has none: "
+                       f"give the adapter eos_ids=[...]")
+    structured.check_eos(constraint, eos_ids, "generate")
     structured.check_token_sets(constraint, params, len(prompts), n)
     structured.check_min_new_tokens(constraint, params, len(prompts), n)
   started = time.perf_counter()
-  tokens, lengths = right_pad(ids, pad_id=tokenizer.PAD, width=width)
-  graphdef, weights = nnx.split(model)
+  tokens, lengths = right_pad(ids, pad_id=adapter.pad_id, width=width)
   # A verification call writes K + 1 tokens; slots past the last one decode needs only ever
   # hold drafts that are thrown away: room for them up to max_len (past it, only discarded
   # drafts would land, with NaN logits).
@@ -384,24 +389,27 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
   cache_length = min(width + room, context)
   prompt_lp = None
   if prompt_logprobs:
-    logits, state, lp = extras.prefill_with_logprobs(graphdef, weights, tokens, lengths,
-                                                     cache_length=cache_length)
+    if adapter.prompt_logprobs is None:
+      raise ValueError(f"prompt_logprobs is not available with {adapter.name} (its adapter has "
+                       f"no prompt_logprobs function)")
+    logits, state, positions, lp = adapter.prompt_logprobs(tokens, lengths, cache_length)
     lp = np.asarray(lp)
     prompt_lp = [lp[b, :len(i) - 1] for b, i in enumerate(ids)]
   else:
-    logits, state = prefill(graphdef, weights, tokens, lengths, cache_length=cache_length)
+    logits, state, positions = adapter.prefill(tokens, lengths, cache_length)
   counts = None
   if penalize_prompt:
     real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]  # right padding
-    counts = token_counts(tokens, model.config.vocab_size, mask=real)
+    counts = token_counts(tokens, vocab, mask=real)
   if n > 1:
     params = params.rows(np.repeat(np.arange(len(prompts)), n))
     key = extras.sample_keys(key, len(prompts), n)
-    state = state.replace(cache=extras.repeat_rows(state.cache, n))
-    logits, tokens, lengths, counts = extras.repeat_rows((logits, tokens, lengths, counts), n)
-  return Prepared(tokenizer, graphdef, ids, tokens, lengths, width, room, logits, state, key,
+    state = adapter.repeat_rows(state, n)
+    logits, tokens, lengths, counts, positions = extras.repeat_rows(
+        (logits, tokens, lengths, counts, positions), n)
+  return Prepared(tokenizer, adapter, ids, tokens, lengths, width, room, logits, state, key,
                   params, counts, started, n, stop, include_stop, top_logprobs, logprobs_mode,
-                  prompt_lp, constraint)
+                  prompt_lp, constraint, positions)
 
 
 _STOP_WITH_CONSTRAINT = (
@@ -411,7 +419,8 @@ _STOP_WITH_CONSTRAINT = (
     "(e.g. regex='[^.]*\\.' ends at the first period)")
 
 
-def _constraint(regex, json_schema, choices, prompts: int, n: int, tokenizer, vocab: int):
+def _constraint(regex, json_schema, choices, prompts: int, n: int,
+                adapter: adapters.Adapter):
   """The `jaxdecode.structured` constraint of generate's `regex=`, `json_schema=` or `choices=`
   (one for all rows, or one per row: prompts · n, prompt-major), or None."""
   given = [(name, value) for name, value in (("regex", regex), ("json_schema", json_schema),
@@ -422,13 +431,13 @@ def _constraint(regex, json_schema, choices, prompts: int, n: int, tokenizer, vo
     raise ValueError(f"give at most one of regex, json_schema and choices; got "
                      f"{', '.join(name for name, _ in given)}")
   name, value = given[0]
-  if not hasattr(tokenizer, "vocabulary"):
+  if not hasattr(adapter.tokenizer, "vocabulary"):
     raise ValueError(f"{name} needs a tokenizer with vocabulary() (jaxdecode.structured); got "
-                     f"{type(tokenizer).__name__}")
-  vocabulary = tokenizer.vocabulary()
-  if len(vocabulary) != vocab:
+                     f"{type(adapter.tokenizer).__name__}")
+  vocabulary = adapter.vocabulary()
+  if len(vocabulary) != adapter.vocab_size:
     raise ValueError(f"the tokenizer's vocabulary has {len(vocabulary)} tokens but the model "
-                     f"{vocab}")
+                     f"{adapter.vocab_size}")
   build = {"regex": structured.regex, "json_schema": structured.json_schema,
            "choices": structured.choice}[name]
   one = {"regex": lambda v: isinstance(v, str), "json_schema": lambda v: isinstance(v, (str, dict)),
@@ -459,16 +468,17 @@ def _check_min_new_tokens(params: SamplingParams, max_new_tokens: int) -> None:
 
 
 def _drafter(draft, batch: Prepared):
-  """The drafter of `speculative_decode` for `draft` ("ngram" or a model), over the rows."""
+  """The drafter of `speculative_decode` for `draft` ("ngram" or an adapter), over the rows."""
   if isinstance(draft, str):
     return NgramDrafter(batch.tokens, batch.lengths)
-  draft_graphdef, draft_weights = nnx.split(draft)
-  tokens, lengths = right_pad(batch.ids, pad_id=batch.tokenizer.PAD, width=batch.width)
-  _, draft_state = prefill(draft_graphdef, draft_weights, tokens, lengths,
-                           cache_length=min(batch.width + batch.room, draft.config.max_len))
+  if isinstance(draft, Transformer):
+    draft = model_adapters.embedded(draft, batch.tokenizer)
+  tokens, lengths = right_pad(batch.ids, pad_id=batch.adapter.pad_id, width=batch.width)
+  _, draft_state, _ = draft.prefill(tokens, lengths,
+                                    min(batch.width + batch.room, draft.max_positions))
   if batch.n > 1:
-    draft_state = draft_state.replace(cache=extras.repeat_rows(draft_state.cache, batch.n))
-  return ModelDrafter(draft_state, step_fn_for(draft_graphdef))
+    draft_state = draft.repeat_rows(draft_state, batch.n)
+  return ModelDrafter(draft_state, draft.step_fn)
 
 
 def _check_excluded(beam_size, draft, n, stop, top_logprobs, logprobs_mode) -> None:
@@ -489,36 +499,46 @@ def _check_excluded(beam_size, draft, n, stop, top_logprobs, logprobs_mode) -> N
                          f"processed log-probabilities only")
 
 
-def _check_draft(draft, num_draft_tokens, model: Transformer, beam_size) -> None:
-  """ValueError for a bad draft or num_draft_tokens (checked with or without a draft)."""
+def _check_draft(draft, num_draft_tokens, adapter: adapters.Adapter, beam_size):
+  """ValueError for a bad draft or num_draft_tokens (checked with or without a draft); returns
+  the draft as "ngram", an `Adapter` (a `Transformer` is adapted with the model's tokenizer) or
+  None."""
   _checks.integer("num_draft_tokens", num_draft_tokens, low=1, high=16)
   if draft is None:
-    return
+    return None
   if isinstance(draft, str):
     if draft != "ngram":
       raise ValueError(f"draft must be None, 'ngram' or a Transformer; got {draft!r}")
-  elif isinstance(draft, Transformer):
-    if draft.config.vocab_size != model.config.vocab_size:
-      raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) is not "
-                       f"the model's ({model.config.vocab_size}); a draft must share the "
+  elif isinstance(draft, (Transformer, adapters.Adapter)):
+    if isinstance(draft, Transformer):
+      draft = model_adapters.embedded(draft, adapter.tokenizer)
+    if draft.vocab_size != adapter.vocab_size:
+      raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} tokens) is not "
+                       f"the model's ({adapter.vocab_size}); a draft must share the "
                        f"tokenizer")
+    theirs, ours = (getattr(t, "pieces", None) for t in (draft.tokenizer, adapter.tokenizer))
+    if theirs is not None and ours is not None and list(theirs) != list(ours):
+      raise ValueError(f"the draft {draft.name}'s tokenizer maps ids to other tokens than the "
+                       f"model's; a draft must share the tokenizer")
   else:
-    raise ValueError(f"draft must be None, 'ngram' or a Transformer; got "
+    raise ValueError(f"draft must be None, 'ngram', a Transformer or an Adapter; got "
                      f"{type(draft).__name__}")
   if beam_size is not None:
     raise ValueError("draft and beam_size exclude each other: speculative decoding speeds up "
                      "sampling and greedy decoding, not beam search")
+  return draft
 
 
-def _beam_generation(graphdef, state, logits, lengths, counts, started, tokenizer, params,
+def _beam_generation(adapter, state, logits, lengths, counts, started, tokenizer, params,
                      max_new_tokens, beam_size, num_return, length_penalty,
                      prompt_logprobs=None, constraint=None, prompt_tokens=None) -> Generation:
   """`generate` with beam search, from the prefill on: the best beam in the main fields, the
   `num_return` best in `beams` and `scores`."""
-  out = beam_search(step_fn_for(graphdef), state, logits, beam_size=beam_size,
+  out = beam_search(adapter.step_fn, state, logits, beam_size=beam_size,
                     num_return=num_return, max_new_tokens=max_new_tokens, positions=lengths,
-                    eos_ids=[tokenizer.EOS], pad_id=tokenizer.PAD, length_penalty=length_penalty,
-                    params=params, counts=counts, state_axes=DECODE_STATE_AXES,
+                    eos_ids=list(adapter.eos_ids), pad_id=adapter.pad_id,
+                    length_penalty=length_penalty, params=params, counts=counts,
+                    state_axes=adapter.state_axes,
                     constraint=constraint, prompt_tokens=prompt_tokens)
   tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)  # [B, R, N], [B, R]
   seconds = time.perf_counter() - started

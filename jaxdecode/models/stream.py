@@ -21,9 +21,8 @@ from jaxdecode import decoding
 from jaxdecode import loop
 from jaxdecode import processors
 from jaxdecode.models import extras
-from jaxdecode.models.generate import prepare, step_fn_for
+from jaxdecode.models.generate import prepare
 from jaxdecode.models.tokenizer import ByteTokenizer
-from jaxdecode.models.transformer import Transformer
 from jaxdecode.params import SamplingParams
 
 
@@ -49,7 +48,7 @@ class StreamChunk:
   dead_end: np.ndarray
 
 
-def stream(prompts: Sequence[str], *, model: Transformer | None = None,
+def stream(prompts: Sequence[str], *, model=None,
            params: SamplingParams | None = None, seed: int = 0, key=None,
            max_new_tokens: int = 128, tokenizer: ByteTokenizer | None = None,
            penalize_prompt: bool = False, beam_size: int | None = None,
@@ -109,17 +108,18 @@ def stream(prompts: Sequence[str], *, model: Transformer | None = None,
 
 def _chunks(batch, max_new_tokens: int, chunk_size: int) -> Iterator[StreamChunk]:
   """The host loop: run a chunk, hand the previous chunk's text out meanwhile."""
-  tok = batch.tokenizer
-  step_fn = step_fn_for(batch.graphdef)
+  step_fn = batch.adapter.step_fn
   params, counts = processors.check_call(batch.logits, batch.params, batch.counts,
                                          caller="stream", loop=True)
   counts = jnp.zeros(batch.logits.shape, jnp.int32) if counts is None else counts
-  decoding.check_fits(step_fn, batch.state, batch.lengths, max_new_tokens, "stream")
-  inputs = (batch.key, params, batch.lengths, jnp.asarray([tok.EOS], jnp.int32),
-            jnp.asarray(tok.PAD, jnp.int32), batch.constraint, batch.prompt_tokens)
+  decoding.check_fits(step_fn, batch.state, batch.positions, max_new_tokens, "stream")
+  inputs = (batch.key, params, batch.positions,
+            jnp.asarray(batch.adapter.eos_ids, jnp.int32).reshape(-1),
+            jnp.asarray(batch.adapter.pad_id, jnp.int32), batch.constraint, batch.prompt_tokens)
   carry = _start(step_fn, batch.state, batch.logits, counts, *inputs,
                  max_new_tokens=max_new_tokens)
-  rows = [extras.RowText(batch.stop, batch.include_stop) for _ in range(batch.logits.shape[0])]
+  rows = [extras.RowText(batch.stop, batch.include_stop, pieces=batch.pieces)
+          for _ in range(batch.logits.shape[0])]
   seen = np.zeros(len(rows), np.int64)
   t = 1
   while True:

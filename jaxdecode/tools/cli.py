@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxdecode import _checks
 from jaxdecode import _files
+from jaxdecode import adapters
 from jaxdecode import models
 from jaxdecode.invariance import audit as invariance_audit
 from jaxdecode.models import training
@@ -107,11 +108,14 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
                  help="with --beams: print the R best beams of each prompt, with their scores")
   g.add_argument("--length-penalty", type=number, default=1.0,
                  help="with --beams: beam score = sum of log-probs / length ** this")
-  g.add_argument("--model", default=None, help="a checkpoint from `jaxdecode train` "
-                                               "(default: the embedded model)")
+  g.add_argument("--model", default=None,
+                 help="a checkpoint from `jaxdecode train`, or a local transformers Flax "
+                      "checkpoint directory (save_pretrained: config.json, weights, tokenizer) "
+                      "(default: the embedded model)")
   g.add_argument("--draft", default=None, metavar="ngram|model|PATH",
                  help="speculative decoding (the same text, fewer model calls): drafts from "
-                      "prompt lookup (ngram), the embedded draft model (model) or a checkpoint")
+                      "prompt lookup (ngram), the embedded draft model (model) or a checkpoint "
+                      "(a transformers directory for a transformers --model)")
   g.add_argument("--num-draft-tokens", type=positive_int, default=4, metavar="K",
                  help="with --draft: tokens drafted and verified per model call (1..16)")
   g.add_argument("--stop", action="append", default=None, metavar="TEXT",
@@ -209,27 +213,53 @@ def _train(args) -> None:
 def _load_model(path):
   if path is None:
     return models.load_default()[0]
+  if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+    return _transformers_model(path)
   return models.load_checkpoint(path)[0]
 
 
-def _bad_words(texts) -> list | None:
-  """--bad-word TEXTs -> token sequences (the embedded byte tokenizer's, no BOS)."""
+def _transformers_model(path: str):
+  """A `jaxdecode.adapters` adapter of a local transformers Flax checkpoint directory (the
+  model by `FlaxAutoModelForCausalLM`, its tokenizer by `AutoTokenizer`; nothing downloaded)."""
+  try:
+    import transformers  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise ValueError(f"--model {path} is a transformers checkpoint directory, which needs "
+                     f"transformers<5 installed (pip install 'transformers<5')") from None
+  try:
+    model = transformers.FlaxAutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+  except (OSError, ValueError, KeyError) as e:
+    raise ValueError(f"--model {path}: not a transformers Flax causal LM with its tokenizer "
+                     f"({' '.join(str(e).split())[:300]})") from None
+  return adapters.transformers(model, model.params, tokenizer)
+
+
+def _vocab_size(model) -> int:
+  return model.vocab_size if isinstance(model, adapters.Adapter) else model.config.vocab_size
+
+
+def _bad_words(texts, tokenizer=None) -> list | None:
+  """--bad-word TEXTs -> token sequences (the model's tokenizer's, default the embedded byte
+  tokenizer's; no BOS)."""
   if not texts:
     return None
   for text in texts:
     if not text:
       raise ValueError("--bad-word needs some text; got an empty one")
-  return [models.ByteTokenizer().encode(text, bos=False) for text in texts]
+  tokenizer = tokenizer or models.ByteTokenizer()
+  return [tokenizer.encode(text, bos=False) for text in texts]
 
 
 DRY_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's default dry_sequence_breakers
 
 
-def _breakers(texts) -> list[int]:
+def _breakers(texts, tokenizer=None) -> list[int]:
   """--dry-sequence-breaker texts (default llama.cpp's) -> token ids, one token each."""
   ids = []
+  tokenizer = tokenizer or models.ByteTokenizer()
   for text in DRY_BREAKERS if texts is None else texts:
-    tokens = models.ByteTokenizer().encode(text, bos=False)
+    tokens = tokenizer.encode(text, bos=False)
     if len(tokens) != 1:
       raise ValueError(f"--dry-sequence-breaker must be one token; {text!r} is {len(tokens)}")
     ids += tokens
@@ -239,7 +269,9 @@ def _breakers(texts) -> list[int]:
 def _generate(args) -> None:
   _check_generate(args)
   beams = args.beams
-  params, temperature, top_p, control = _sampling(args)
+  model = _load_model(args.model)
+  tokenizer = model.tokenizer if isinstance(model, adapters.Adapter) else None
+  params, temperature, top_p, control = _sampling(args, tokenizer)
   if args.draft is None and args.num_draft_tokens != 4:
     raise ValueError("--num-draft-tokens applies to speculative decoding: add --draft")
   if args.draft is not None and beams is not None:
@@ -249,10 +281,9 @@ def _generate(args) -> None:
   if draft == "model":
     draft = models.load_draft()
   elif draft not in (None, "ngram"):
-    draft = models.load_checkpoint(draft)[0]  # a missing or broken file: a clear ValueError
-  model = _load_model(args.model)
+    draft = _load_model(draft)  # a missing or broken file: a clear ValueError
   if beams is not None:
-    _checks.beam_size_fits(beams, len(args.prompts), model.config.vocab_size, name="--beams")
+    _checks.beam_size_fits(beams, len(args.prompts), _vocab_size(model), name="--beams")
   options = dict(model=model, params=params, seed=args.seed, max_new_tokens=args.max_new_tokens,
                  penalize_prompt=args.penalize_prompt, stop=args.stop,
                  include_stop=args.include_stop, n=args.n, regex=args.regex,
@@ -299,9 +330,11 @@ def _check_generate(args) -> None:
                      f"keeps {beams} beams per prompt")
 
 
-def _sampling(args) -> tuple:
+def _sampling(args, tokenizer=None) -> tuple:
   """`(params, temperature, top_p, control)`: the `SamplingParams` of the flags, the temperature
-  and top-p they resolve to, and the `_CONTROL` fields set away from their defaults."""
+  and top-p they resolve to, and the `_CONTROL` fields set away from their defaults. Texts
+  (--bad-word, --dry-sequence-breaker) are encoded by `tokenizer` (default: the embedded
+  model's byte tokenizer)."""
   beams = args.beams
   temperature = 0.0 if args.greedy else args.temperature
   if temperature is None:
@@ -310,8 +343,9 @@ def _sampling(args) -> tuple:
   control = {name: getattr(args, name) for name in _CONTROL if getattr(args, name) !=
              _CONTROL[name]}
   params = SamplingParams(temperature=temperature, top_k=args.top_k, top_p=top_p,
-                          min_p=args.min_p, bad_words=_bad_words(args.bad_word),
-                          dry_sequence_breakers=_breakers(args.dry_sequence_breaker), **control)
+                          min_p=args.min_p, bad_words=_bad_words(args.bad_word, tokenizer),
+                          dry_sequence_breakers=_breakers(args.dry_sequence_breaker, tokenizer),
+                          **control)
   return params, temperature, top_p, control
 
 
@@ -461,7 +495,7 @@ def _json_report(args, out, options: dict, settings: SamplingParams) -> str:
     rows.append(row)
   result = dict(prompts=list(args.prompts), rows=rows, seconds=out.seconds,
                 settings=dict({k: v for k, v in options.items() if v is not None and
-                               not hasattr(v, "config")},
+                               not hasattr(v, "config") and not isinstance(v, adapters.Adapter)},
                               seed=args.seed, greedy=args.greedy,
                               temperature=float(np.asarray(settings.temperature)),
                               top_k=int(np.asarray(settings.top_k)),
@@ -480,7 +514,7 @@ def _eval(args) -> None:
   data = np.frombuffer(_files.read_input(args.file, "text file"), np.uint8).astype(np.int32)
   if data.size == 0:
     raise ValueError(f"{args.file!r} is empty; nothing to evaluate")
-  model = _load_model(args.model)
+  model = models.load_checkpoint(args.model)[0] if args.model else models.load_default()[0]
   graphdef, weights = nnx.split(model)
   nats = training.evaluate(graphdef, weights, data, model.config.max_len)
   print(f"{nats:.4f} nats/byte ({nats / math.log(2):.4f} bits/byte) over {data.size} bytes")
