@@ -9,7 +9,7 @@ after round, and each figure is the median of the rounds (`block_until_ready` on
 (its 3.3 release pulls in tensorflow, kauldron and some 200 packages; see the README's "Bring
 your model"); Gemma's architecture is benched through transformers' `FlaxGemmaForCausalLM`.
 
-Run: `python -m jaxdecode.tools.bench_families [--rounds R] [--new N] [--families gpt2,llama]`.
+Run: `python -m jaxdecode.tools.bench.families [--rounds R] [--new N] [--families gpt2,llama]`.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def format_rows(rows: list) -> str:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m jaxdecode.tools.bench_families")
+  parser = argparse.ArgumentParser(prog="python -m jaxdecode.tools.bench.families")
   parser.add_argument("--families", default=",".join(FAMILIES))
   parser.add_argument("--batches", default="1,8")
   parser.add_argument("--new", type=int, default=64)
