@@ -260,7 +260,13 @@ def valid_ids(ids: jax.Array, vocab: int) -> jax.Array:
 
 
 def _saturate(x: jax.Array, y: jax.Array) -> jax.Array:
-  """y where x is a number, clipped to the finite float32 range; -inf where x is -inf."""
+  """y where x is a number, clipped to the finite float32 range; -inf where x is -inf.
+
+  A NaN y (inf - inf: a saturated logit divided by a tiny repetition penalty, less an infinite
+  frequency penalty) is the bottom of the range: the penalty wins. It is set explicitly, not
+  left to `clip`, whose max/min treat NaN as the code generation has them (measured: XLA:CPU at
+  its defaults clipped it to -3.4e38, at -O0 it stayed NaN and emptied the row)."""
+  y = jnp.where(jnp.isnan(y), -_F32_MAX, y)
   return jnp.where(x == _NEG_INF, _NEG_INF, jnp.clip(y, -_F32_MAX, _F32_MAX))
 
 

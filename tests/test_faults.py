@@ -285,6 +285,41 @@ def test_a_tiny_temperature_that_overflows_to_minus_inf_keeps_the_argmax():
   assert out[0, 1] == 0.0 and out[0, 0] == -np.inf  # the point mass it numerically is
 
 
+_INF_MINUS_INF_ROW = """
+import sys
+sys.path.insert(0, %r)
+import jax, jax.numpy as jnp, numpy as np, jaxdecode
+params = jaxdecode.SamplingParams(
+    temperature=0.0, top_p=1e-38, repetition_penalty=[1e-30, 1.0], frequency_penalty=[3e38, 0.0],
+    logit_bias=[{0: -3e38, 2: 3e38}, {}], banned_token_ids=[[0], []])
+counts = np.zeros((2, 5), np.int32)
+counts[0, 2] = 3
+logits = jnp.full((2, 5), jnp.inf)
+tokens, logprobs = jaxdecode.sample_with_logprobs(jax.random.key(0), logits, params, counts=counts)
+processed = jaxdecode.process_logits(logits, params, counts=counts)
+print((np.asarray(tokens).tolist(), np.asarray(logprobs).tolist(),
+       np.asarray(processed)[0].tolist()))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", ["", "--xla_backend_optimization_level=0"])
+def test_an_infinite_penalty_on_a_saturated_logit_never_empties_the_row(flags):
+  """Found by the hostile property test compiled at -O0: token 2's +3e38 bias divided by a 1e-30
+  repetition penalty is +inf, less 3 * 3e38 of frequency penalty: inf - inf = NaN, which `clip`
+  turned into -3.4e38 at XLA:CPU's defaults but kept as NaN at -O0, emptying a row whose tokens
+  1, 3 and 4 are selectable (its +inf logits). The NaN is now the bottom of the range by
+  construction; each code generation runs in a process of its own (XLA reads its flags once)."""
+  env = dict(os.environ, XLA_FLAGS=flags)
+  result = subprocess.run([sys.executable, "-c", _INF_MINUS_INF_ROW % os.path.dirname(
+      os.path.dirname(os.path.abspath(__file__)))], env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  tokens, logprobs, row = eval(result.stdout.strip().splitlines()[-1].replace("-inf", "None"))  # pylint: disable=eval-used
+  assert tokens == [1, 0] and logprobs == [0.0, 0.0]  # rows of +inf ties: the lowest id
+  assert row == [None, 0.0, None, None, None]  # token 1 alone: the point mass of top-p 1e-38
+
+
 def test_saturated_bias_and_penalties_never_empty_a_row():
   logits = jnp.array([[-3e38, 3e38, 1.0]])
   params = SamplingParams(logit_bias={0: -3e38, 1: 3e38})
