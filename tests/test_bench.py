@@ -3,6 +3,7 @@
 No timing assertions here: speed is shown by `jaxdecode bench`, never asserted by a test.
 """
 
+import functools
 import json
 import math
 
@@ -285,16 +286,20 @@ def test_beam_table_on_a_tiny_model():
   json.dumps(bench._finite(result), allow_nan=False)
 
 
+def _tiny_model(invariant, *, max_len):
+  """A loader of the numerics and scoring tables: a 1-layer model in the asked numerics."""
+  config = bench.TransformerConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, d_ff=64,
+                                   max_len=max_len, batch_invariant=invariant)
+  return bench.Transformer(config, rngs=nnx.Rngs(0))
+
+
+def _missing_model(invariant):
+  raise ValueError("model checkpoint 'default.msgpack' does not exist")
+
+
 @pytest.mark.slow
 def test_numerics_table_on_a_tiny_model():
-  def tiny(invariant):
-    config = bench.TransformerConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, d_ff=64,
-                                     max_len=128, batch_invariant=invariant)
-    return bench.Transformer(config, rngs=nnx.Rngs(0))
-
-  def missing(invariant):
-    raise ValueError("model checkpoint 'default.msgpack' does not exist")
-
+  tiny = functools.partial(_tiny_model, max_len=128)
   (row,) = bench.numerics_table(batches=(2,), runs=5, max_new_tokens=8, loader=tiny)
   assert row["batch"] == 2 and row["late_position"] == 128 - 32
   assert set(row["median_s"]) == set(row["first_call_s"]) == {"invariant", "plain"}
@@ -302,7 +307,7 @@ def test_numerics_table_on_a_tiny_model():
   for value in [*row["median_s"].values(), *row["first_call_s"].values(),
                 *row["step_ms"].values(), *row["ratio"].values()]:
     assert _positive_finite(value)
-  (skipped,) = bench.numerics_table(batches=(1,), runs=5, max_new_tokens=8, loader=missing)
+  (skipped,) = bench.numerics_table(batches=(1,), runs=5, max_new_tokens=8, loader=_missing_model)
   assert "does not exist" in skipped["skipped"]
   result = {"command": "", "machine": bench.machine_info(), "notes": [], "kernel": [],
             "decode": [], "numerics": [row, skipped],
@@ -431,14 +436,7 @@ def test_structured_table_on_a_tiny_model_and_a_small_bpe_vocabulary():
 def test_scoring_table_on_a_tiny_model():
   """About 2 minutes on 2 cores: a row compiles 8 programs (3 rollouts and a training step, in
   each numerics mode), whatever the sizes."""
-  def tiny(invariant):
-    config = bench.TransformerConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2, d_ff=64,
-                                     max_len=64, batch_invariant=invariant)
-    return bench.Transformer(config, rngs=nnx.Rngs(0))
-
-  def missing(invariant):
-    raise ValueError("model checkpoint 'default.msgpack' does not exist")
-
+  tiny = functools.partial(_tiny_model, max_len=64)
   rows = bench.scoring_table(batches=(2,), runs=2, max_new_tokens=4, loader=tiny)
   assert [row["mode"] for row in rows] == ["invariant", "plain"]
   for row in rows:
@@ -454,7 +452,7 @@ def test_scoring_table_on_a_tiny_model():
   assert plain["ratio"]["train_vs_plain"] == 1.0
   assert invariant["ratio"]["train_vs_plain"] == (invariant["median_s"]["train"] /
                                                   plain["median_s"]["train"])
-  (skipped,) = bench.scoring_table(batches=(1,), runs=2, max_new_tokens=4, loader=missing)
+  (skipped,) = bench.scoring_table(batches=(1,), runs=2, max_new_tokens=4, loader=_missing_model)
   assert skipped["batch"] == 1 and "does not exist" in skipped["skipped"]
   result = {"command": "", "machine": bench.machine_info(), "notes": [], "kernel": [],
             "scoring": rows + [skipped], "settings": {"runs": 2, "warmup": 2, "seconds": 1.0}}
