@@ -1,9 +1,12 @@
 """Strict JAX for every test: implicit rank promotion raises, warnings are errors (pyproject);
-one XLA compilation cache per test run, shared by its workers; compiled code dropped before a
-worker runs out of memory mappings."""
+XLA:CPU compiling with its older, faster element-wise emitters; one XLA compilation cache per
+test run, shared by its workers; compiled code dropped before a worker runs out of memory
+mappings."""
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -34,8 +37,39 @@ def _use_cache(path: str) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+# XLA compiling is most of the suite's time: 70% of the fast loop's CPU time (433 of 616 s,
+# measured per test). XLA:CPU's older element-wise emitters compile faster than its default
+# fusion emitters: the fast tests of test_decoding.py took 56 s of CPU instead of 75 s (two
+# paired runs, no compilation cache). Every bitwise assertion compares programs compiled with the
+# same flags, and the properties follow from the construction, so they hold under either
+# emitter. XLA's default code generation stays under test all the same: tests/test_invariance.py
+# runs the construction's tests again under it, and the tests that start processes with XLA_FLAGS
+# of their own (8 devices, older instruction sets) run XLA's defaults.
+# JAXDECODE_TEST_XLA_FLAGS=default compiles with XLA's defaults throughout.
+# (LLVM at -O0 was tried too and compiles faster still, but there the CPU and GPU formulations
+# of a decode differ in the last bits of some log-probs: with every product and sum in the same
+# order, the two programs' code generation still decides how some multiply-adds round.)
+_FLAGS_ENV = "JAXDECODE_TEST_XLA_FLAGS"
+_FAST_COMPILE = ("--xla_cpu_use_fusion_emitters=false",)
+
+
+def _fast_compile_flags() -> str:
+  """XLA_FLAGS with `_FAST_COMPILE` added, or unchanged where this XLA does not take them (an
+  unknown flag aborts the process that starts a backend, so a child process tries them first)."""
+  flags = " ".join([os.environ.get("XLA_FLAGS", ""), *_FAST_COMPILE]).strip()
+  probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
+                         env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu"),
+                         capture_output=True, timeout=120, check=False)
+  return flags if probe.returncode == 0 else os.environ.get("XLA_FLAGS", "")
+
+
 def pytest_configure(config):
-  """The controller makes the run's cache folder before the workers start (they inherit it)."""
+  """The controller sets the run's compiler flags and makes its cache folder before the workers
+  start (they inherit both; no backend has started in any process yet)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if (not hasattr(config, "workerinput") and os.environ.get(_FLAGS_ENV) != "default"
+      and _FAST_COMPILE[0] not in flags):  # (a run started by a test inherits the flags)
+    os.environ["XLA_FLAGS"] = _fast_compile_flags()
   setting = os.environ.get(_CACHE_ENV, "")
   if setting == "off":
     os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)

@@ -9,6 +9,7 @@ can fail), and the audit on a model built to be non-invariant.
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -25,6 +26,7 @@ from jaxdecode import SamplingParams
 from jaxdecode.models import (Transformer, TransformerConfig, batch_prefill, load_default,
                               make_step_fn, prefill)
 from jaxdecode.prompts import right_pad
+import conftest
 import toy_model
 
 SMALL = TransformerConfig(d_model=64, n_layers=2, n_heads=2, d_ff=128, max_len=128)
@@ -268,6 +270,25 @@ def test_the_bits_stay_batch_invariant_when_xla_may_use_only_an_older_instructio
                           text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"invariant under {isa}" in result.stdout
+
+
+@pytest.mark.slow
+def test_the_constructions_tests_pass_under_xlas_default_code_generation():
+  """The suite compiles with XLA:CPU's older element-wise emitters (tests/conftest.py), which
+  changes where XLA's own kernels round differently: e.g. `exp` at some array lengths takes
+  another code path only in vectorized code. The tests of the invariant numerics and of
+  `batch_invariant` therefore run once more, in a run of their own compiled with XLA's
+  defaults, where those kernels are the ones users get."""
+  fast = conftest._FAST_COMPILE
+  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f not in fast)
+  env = dict(os.environ, XLA_FLAGS=flags, JAXDECODE_TEST_XLA_FLAGS="default")
+  tests = [os.path.join(os.path.dirname(__file__), name)
+           for name in ("test_numerics.py", "test_batch_invariant.py")]
+  result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p",
+                           "no:cacheprovider", "-o", "addopts=", "-q", "-m", "not slow", *tests],
+                          env=env, capture_output=True, text=True, timeout=900, check=False)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+  assert re.search(r"\d+ passed", result.stdout) and "failed" not in result.stdout
 
 
 # ---------------------------------------------------------------------------------------------
