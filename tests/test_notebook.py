@@ -168,7 +168,7 @@ def test_bench_cell_printed_the_tiny_tables(executed):
   assert "benchmark on cpu: tiny grid" in out
   assert "backend cpu, device kind cpu" in out
   assert "5 timed runs per row" in out
-  assert re.search(r"^wide +2 +1000 +\d", out, re.M) and re.search(r"^lm +2 +1000 +\d", out, re.M)
+  assert re.search(r"^lm +2 +1000 +\d", out, re.M) and not re.search(r"^wide ", out, re.M)
   assert "Decode: jaxdecode.decode, batch 2, 8 new tokens per row" in out
   assert re.search(r"^default +259 ", out, re.M)
 
