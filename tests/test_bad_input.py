@@ -89,6 +89,7 @@ def test_nan_logits_are_never_chosen_while_a_finite_one_exists():
     assert np.isfinite(np.asarray(logprobs)).all()
 
 
+@pytest.mark.slow
 def test_positive_inf_logits_form_a_uniform_distribution():
   x = jnp.array([[1.0, jnp.inf, 5.0, jnp.inf]] * 4000)
   tokens, logprobs = jaxdecode.sample_with_logprobs(jax.random.key(0), x)
@@ -97,6 +98,7 @@ def test_positive_inf_logits_form_a_uniform_distribution():
   np.testing.assert_allclose(logprobs, np.log(0.5), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_rows_with_nothing_selectable_are_reported_not_hidden_and_do_not_disturb_others():
   x = jnp.array([[-jnp.inf] * 5, [jnp.nan] * 5, [0.0, 1.0, 2.0, 3.0, 4.0]])
   keys = jax.random.split(jax.random.key(3), 3)

@@ -159,6 +159,7 @@ def _check_rows(group, batch):
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))
+@pytest.mark.slow
 def test_a_row_alone_and_in_a_batch_of_3_bitwise_and_close_to_float64(group):
   """Alone: NumPy float64's result within float32 tolerance, and plain XLA's; in 3 rows: bits."""
   _check_rows(group, 3)

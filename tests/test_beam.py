@@ -177,6 +177,7 @@ ISSUE_TABLE = _log([[0, .6, 0, 0, .4], [0, 0, 1, 0, 0], [0, 1, 0, 0, 0], [0, 0, 
 
 
 @pytest.mark.parametrize("early_stopping", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_an_eos_candidate_no_longer_ties_into_the_running_beams_and_hides_the_best_beam(
     early_stopping):
   # Issue 33's reproduction: -1e9 - log(.6) == -1e9 - log(.4) in float32, so the EOS candidate
@@ -192,6 +193,7 @@ def test_an_eos_candidate_no_longer_ties_into_the_running_beams_and_hides_the_be
   assert out.logprobs[0, 2].tolist() == [0.0] * 8 and not out.dead_end[0]
 
 
+@pytest.mark.slow
 def test_a_single_possible_path_gives_one_hypothesis_and_empty_slots_at_any_length_penalty():
   # Issue 33: K = 4 on a table with one possible path used to return four slots of length 6,
   # three of them copies scored -4.6e6 (length_penalty 3) or -0.0146 (12), above real beams.
@@ -221,6 +223,7 @@ def sparse_table(vocab, seed, *, keep=0.35):
 @pytest.mark.parametrize("early_stopping", [
     True, pytest.param(False, marks=pytest.mark.slow),
     pytest.param("never", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_when_k_covers_every_possible_prefix_the_hypotheses_are_every_possible_sequence(
     early_stopping):
   # Brute force: with K at least the possible candidates of every step and the possible
@@ -252,6 +255,7 @@ def test_when_k_covers_every_possible_prefix_the_hypotheses_are_every_possible_s
       assert bool(out.dead_end[row]) == dead_end, row
 
 
+@pytest.mark.slow
 def test_per_row_truncation_allowed_ids_and_temperature_0_match_the_reference():
   # K larger than the possible continuations of some rows (top-k 2, a tight top-p, min-p,
   # two allowed ids, temperature 0) and not of others; every length penalty sign.

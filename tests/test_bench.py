@@ -135,6 +135,7 @@ def test_sort_reference_takes_per_row_top_p():
     np.testing.assert_array_equal(per_row[r], np.asarray(bench.sort_top_p_mask(x, p[r]))[r])
 
 
+@pytest.mark.slow
 def test_sort_reference_samples_from_the_renormalized_nucleus():
   x = jnp.asarray(np.log(np.array([[0.35, 0.05, 0.25, 0.2, 0.1, 0.05],
                                    [0.05, 0.05, 0.1, 0.1, 0.3, 0.4]], np.float32)))

@@ -81,6 +81,7 @@ def test_token_counts_counts_masked_tokens_and_skips_out_of_range_ids():
 # Bias and token sets.
 
 
+@pytest.mark.slow
 def test_logit_bias_per_row_dicts_and_duplicate_ids_in_the_array_form_add_up():
   x = jnp.zeros((2, 5))
   out = jaxdecode.process_logits(x, SamplingParams(logit_bias=[{1: 2.0, 3: -1.5}, None]))
@@ -93,6 +94,7 @@ def test_logit_bias_per_row_dicts_and_duplicate_ids_in_the_array_form_add_up():
   assert np.isfinite(np.asarray(big)).all()
 
 
+@pytest.mark.slow
 def test_banned_and_allowed_token_sets_per_row():
   x = jnp.zeros((3, 6))
   params = SamplingParams(banned_token_ids=[[0], [], [2, 5]],
@@ -151,6 +153,7 @@ def test_epsilon_and_eta_cutoffs_hand_examples():
 
 
 @pytest.mark.parametrize("vocab", [2, 17, 300])
+@pytest.mark.slow
 def test_typical_epsilon_eta_match_the_float64_definitions(vocab):
   rng = np.random.default_rng(vocab)
   x = (rng.normal(size=(12, vocab)) * rng.uniform(0.5, 4, (12, 1))).astype(np.float32)
@@ -210,6 +213,7 @@ def test_agrees_with_transformers_pytorch_processors_when_installed():
     dict(eta_cutoff=0.02),
     dict(top_k=8, typical_p=0.9, epsilon_cutoff=0.01, eta_cutoff=0.01),
 ], ids=repr)
+@pytest.mark.slow
 def test_sampled_frequencies_match_the_new_truncations(settings):
   """Chi-square over 100k draws against the float64 reference's filtered distribution."""
   logits = np.array([2.0, 1.2, 1.2, 0.5, 0.0, -0.4, -1.0, -np.inf, -2.5, 0.9, -3.0, 1.5],
@@ -231,6 +235,7 @@ def test_sampled_frequencies_match_the_new_truncations(settings):
                              atol=2e-6)
 
 
+@pytest.mark.slow
 def test_sampled_frequencies_match_with_penalties_bias_and_bans():
   logits = np.array([2.0, 1.2, 0.5, 0.0, -0.4, 1.5], np.float32)
   counts = np.array([2, 0, 1, 0, 0, 1])
@@ -265,6 +270,7 @@ def random_control_params(rng, batch, vocab):
       banned_token_ids=ids(int(rng.integers(0, 5))), allowed_token_ids=ids(8))
 
 
+@pytest.mark.slow
 def test_new_values_of_every_field_do_not_retrace():
   traces = []
 
@@ -396,6 +402,7 @@ def test_min_new_tokens_masks_eos_until_that_many_tokens_exist():
   assert int(out.lengths[0]) == 1  # min_new_tokens 0 changes nothing
 
 
+@pytest.mark.slow
 def test_min_new_tokens_with_nothing_but_eos_selectable_raises_in_every_loop():
   """A row that allows only EOS ids would have nothing to select while min_new_tokens masks
   them: the sampler would return token 0, which the row does not allow, with a NaN
@@ -481,6 +488,7 @@ def test_bad_new_fields_raise_value_error_naming_field_and_value(field, value, f
   assert fragment in str(info.value), str(info.value)
 
 
+@pytest.mark.slow
 def test_token_ids_are_checked_against_the_vocabulary_and_the_batch():
   x = jnp.zeros((2, 10))
   key = jax.random.key(0)

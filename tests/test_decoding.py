@@ -89,6 +89,7 @@ def test_row_decodes_the_same_alone_and_in_a_batch_of_8_at_any_slot():
     assert int(out.lengths[slot]) == int(alone.lengths[0])
 
 
+@pytest.mark.slow
 def test_eos_is_kept_then_only_pad_and_lengths_count_through_eos():
   logits, state, positions = toy_model.prefill(TABLE, PROMPTS)
   out = decoding.decode(STEP, state, logits, key=jax.random.key(0), params=SamplingParams(),
@@ -116,6 +117,7 @@ def limited_step(limits):
 
 @pytest.mark.parametrize("top_logprobs,logprobs_mode", [
     (0, "processed"), pytest.param(2, "raw", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_a_row_whose_step_has_nothing_selectable_stops_there_and_is_reported(top_logprobs,
                                                                              logprobs_mode):
   # Issue 33: past the cache the model's logits are NaN; a row used to go on with token 0 and a
@@ -155,6 +157,7 @@ def with_limit(step, limit):
   return declared, calls
 
 
+@pytest.mark.slow
 def test_a_step_fn_that_declares_its_cache_size_gets_a_request_past_it_refused_before_running():
   logits, state, positions = toy_model.prefill(TABLE, PROMPTS[:3])  # prompt lengths 3, 1, 5
   step, calls = with_limit(STEP, 10)
@@ -174,6 +177,7 @@ def test_a_step_fn_that_declares_its_cache_size_gets_a_request_past_it_refused_b
   assert out.lengths.tolist() == [6, 6, 6] and not out.dead_end.any()
 
 
+@pytest.mark.slow
 def test_no_eos_ids_means_every_row_runs_to_max_new_tokens():
   logits, state, positions = toy_model.prefill(TABLE, PROMPTS)
   out = decoding.decode(STEP, state, logits, key=jax.random.key(0), params=SamplingParams(),
@@ -214,6 +218,7 @@ def test_a_finished_batch_skips_the_remaining_chunks():
   assert steps == 4 * -(-last // 4)
 
 
+@pytest.mark.slow
 def test_new_values_of_the_same_shapes_do_not_retrace():
   traces = []
 
@@ -356,6 +361,7 @@ def ban_after_repeat(banned_table, logits, context):
   return jnp.where(jnp.arange(logits.shape[1])[None, :] == ban[:, None], -jnp.inf, logits)
 
 
+@pytest.mark.slow
 def test_logits_processors_run_before_the_chain_and_match_a_python_loop():
   logits, state, positions = toy_model.prefill(TABLE, PROMPTS)
   table = jnp.asarray(np.random.default_rng(4).integers(0, VOCAB, VOCAB), jnp.int32)
@@ -387,6 +393,7 @@ def test_logits_processors_run_before_the_chain_and_match_a_python_loop():
       assert row[t] != int(table[row[t - 1]])
 
 
+@pytest.mark.slow
 def test_greedy_rows_take_the_argmax_after_the_processors():
   logits, state, positions = toy_model.prefill(TABLE, PROMPTS)
   greedy = SamplingParams(temperature=0.0)
@@ -404,6 +411,7 @@ def test_greedy_rows_take_the_argmax_after_the_processors():
   np.testing.assert_array_equal(out.tokens[:, 0], second)
 
 
+@pytest.mark.slow
 def test_new_processor_arrays_do_not_recompile():
   traces = []
 

@@ -37,6 +37,7 @@ PARAMS = {
 
 
 @pytest.mark.parametrize("name", PARAMS)
+@pytest.mark.slow
 def test_a_repeated_eager_call_gives_the_jitted_calls_bits(name):
   params = PARAMS[name]()
   jitted = jax.jit(jaxdecode.sample_with_logprobs)(KEY, LOGITS, params)

@@ -277,6 +277,7 @@ def test_a_banned_positive_inf_logit_is_removed_not_spread_over_the_row():
                           SamplingParams(banned_token_ids=[0])).tolist() == [1]
 
 
+@pytest.mark.slow
 def test_a_tiny_temperature_that_overflows_to_minus_inf_keeps_the_argmax():
   logits = jnp.array([[-200.0, -100.0]])
   token, logprob = jaxdecode.sample_with_logprobs(KEY, logits, SamplingParams(1e-37))
@@ -332,6 +333,7 @@ def test_saturated_bias_and_penalties_never_empty_a_row():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.slow
 def test_low_precision_outputs_saturate_instead_of_overflowing(dtype):
   logits = jnp.array([[10000.0, 9000.0, 1.0, -jnp.inf]], dtype)
   out = jaxdecode.process_logits(logits, SamplingParams(0.1))  # 100000 > float16's 65504

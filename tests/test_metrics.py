@@ -253,6 +253,7 @@ def test_entropy_with_temperature():
   assert_same(got, [[math.log(3) - 2 / 3 * LN2] * 2])
 
 
+@pytest.mark.slow
 def test_mean_entropy_per_row_params_minus_inf_and_masking():
   # Row 0 (T = 1): step 0 is 0.5 / 0.25 / 0.25 (H = 1.5 ln 2); step 1 is 0 / 0 / -inf, uniform
   # over two tokens (H = ln 2: the -inf entry contributes 0). Row 1 (T = 0, length 1): H = 0;
@@ -268,6 +269,7 @@ def test_mean_entropy_per_row_params_minus_inf_and_masking():
   assert math.isnan(metrics.mean_entropy(logits, params, jnp.array([0, 0])))
 
 
+@pytest.mark.slow
 def test_entropy_with_a_penalty_uses_the_counts_of_the_earlier_steps():
   logits = jnp.zeros((1, 3, 2))  # uniform over two tokens at every step
   tokens = jnp.array([[0, 0, 1]])

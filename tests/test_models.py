@@ -84,6 +84,7 @@ def full_forward(graphdef, weights, batch):
 # ---------------------------------------------------------------- the cache equals the full pass
 
 
+@pytest.mark.slow
 def test_cached_decoding_matches_full_forward_at_every_step_bit_for_bit(split, step_fn, batch):
   graphdef, weights = split
   tokens, lengths, continuation = batch
@@ -95,6 +96,7 @@ def test_cached_decoding_matches_full_forward_at_every_step_bit_for_bit(split, s
     np.testing.assert_array_equal(logits, full[:, n + 1], err_msg=f"step {n}")
 
 
+@pytest.mark.slow
 def test_a_k_token_step_equals_k_single_steps_bit_for_bit(split, step_fn, batch):
   graphdef, weights = split
   tokens, lengths, continuation = batch
@@ -109,6 +111,7 @@ def test_a_k_token_step_equals_k_single_steps_bit_for_bit(split, step_fn, batch)
   np.testing.assert_array_equal(rest, jnp.stack(singles[4:], axis=1))
 
 
+@pytest.mark.slow
 def test_step_fn_inside_lax_scan_matches_full_forward(split, step_fn, batch):
   """The way `jaxdecode.decode` calls it: jitted, with the state as the scan carry."""
   graphdef, weights = split
@@ -125,6 +128,7 @@ def test_step_fn_inside_lax_scan_matches_full_forward(split, step_fn, batch):
                                 full_forward(graphdef, weights, batch)[:, 1:])
 
 
+@pytest.mark.slow
 def test_a_row_is_rolled_back_by_its_position_alone(split, step_fn, batch):
   graphdef, weights = split
   tokens, lengths, continuation = batch
@@ -148,6 +152,7 @@ def test_prefill_returns_weights_and_a_cache_with_room_for_the_requested_length(
   np.testing.assert_array_equal(state.cache.k[0][:, WIDTH:], 0)  # slots past the prompt: empty
 
 
+@pytest.mark.slow
 def test_positions_past_the_cache_or_max_len_give_nan_and_write_nothing(split, step_fn, batch):
   graphdef, weights = split
   tokens, lengths, _ = batch
@@ -212,6 +217,7 @@ def numpy_reference(model, ids):
   return rms_norm(x, model.final_norm) @ embedding.T
 
 
+@pytest.mark.slow
 def test_forward_matches_numpy_reference(model, split, batch):
   tokens, lengths, _ = batch
   logits = forward(*split, tokens, lengths)
@@ -262,6 +268,7 @@ def test_rope_makes_attention_scores_depend_only_on_relative_positions():
 # -------------------------------------------------------------------------- tracing and jitting
 
 
+@pytest.mark.slow
 def test_step_fn_traces_once_for_new_tokens_positions_and_weights(split, step_fn, batch):
   graphdef, weights = split
   tokens, lengths, continuation = batch
@@ -393,6 +400,7 @@ def test_tokenizer_decode_rejects_bad_ids(ids, message):
 
 @pytest.mark.parametrize("module", [tokenizer_module, transformer_module],
                          ids=lambda m: m.__name__)
+@pytest.mark.slow
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0

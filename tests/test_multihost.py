@@ -74,6 +74,7 @@ def test_a_bad_command_line_is_one_line_and_status_2(argv, message, capsys):
   assert len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_prompt_past_the_context_is_reported_once_by_process_0():
   code, out, err = finish(start("--processes", "2", "--max-new-tokens", "20", "hi", "a" * 500),
                           timeout=120)

@@ -27,6 +27,7 @@ def _data(rows, depth, width, seed):
 
 
 @pytest.mark.parametrize("depth,width", SHAPES)
+@pytest.mark.slow
 def test_a_row_of_linear_has_the_same_bits_for_every_row_count(depth, width):
   x, w = _data(max(ROWS), depth, width, seed=depth)
   f = jax.jit(lambda x, w: numerics.linear(x, w, invariant=True))

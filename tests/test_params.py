@@ -106,6 +106,7 @@ def test_equality_is_identity_not_an_ambiguous_array_comparison():
   assert p in [p] and len({p, q}) == 2
 
 
+@pytest.mark.slow
 def test_rows_selects_permutes_and_slices_per_row_fields_and_keeps_shared_ones():
   p = SamplingParams(temperature=[0.0, 0.5, 1.0], top_p=0.9,
                      banned_token_ids=[[1], [2, 3], []], allowed_token_ids=[7, 8],

@@ -127,6 +127,7 @@ LOOPS = ("decode", "beam_search", "speculative_decode")
 
 
 @pytest.mark.parametrize("name", PROGRAMS)
+@pytest.mark.slow
 def test_no_gpu_step_waits_on_the_host(tiny, name):
   fn, args = _programs(tiny)[name]
   found = host_round_trips(fn, *args, platform="cuda")
@@ -217,6 +218,7 @@ def test_the_pivot_sums_are_row_sums_of_the_masked_rows(vocab):
         np.testing.assert_array_equal(want[1], 2.0**40)
 
 
+@pytest.mark.slow
 def test_the_digit_searchs_scratch_stays_near_the_bisections():
   """Issue 37: the straight formulation materialized [B, 15, V] (4.6x the branch one's scratch
   here); it sums lane chunk by lane chunk now. top-p and typical-p both search."""
@@ -231,6 +233,7 @@ def test_the_digit_searchs_scratch_stays_near_the_bisections():
   assert scratch[_platform.STRAIGHT] <= 1.5 * scratch[_platform.BRANCHES], scratch
 
 
+@pytest.mark.slow
 def test_the_sampling_chain_is_the_same_in_both_formulations():
   rng = np.random.default_rng(0)
   batch, vocab = 48, 300
@@ -330,6 +333,7 @@ def test_generate_and_streaming_are_the_same_in_both_formulations(tiny):
   _same(branches, straight)
 
 
+@pytest.mark.slow
 def test_a_decode_exports_for_gpu_and_tpu_at_once(tiny):
   """`jax.export` with both platforms: the program carries both formulations and picks one by
   the platform it is loaded on."""

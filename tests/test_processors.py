@@ -113,6 +113,7 @@ def test_tiny_temperature_never_overflows():
 
 
 @pytest.mark.parametrize("seed", range(6))
+@pytest.mark.slow
 def test_process_logits_chain_matches_reference(seed):
   rng = np.random.default_rng(300 + seed)
   batch, vocab = 12, int(rng.choice([1, 6, 40, 130]))

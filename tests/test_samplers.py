@@ -64,6 +64,7 @@ def chain(x, params, history=NO_HISTORY):
                                              key=jax.random.key(0)))
 
 
+@pytest.mark.slow
 def test_top_n_sigma_matches_llama_cpp_on_hostile_rows_every_row_its_own_n():
   rng = np.random.default_rng(0)
   for n_values in ([1.0] * 14, [0.0, -1.0, 0.5, 1.0, 2.0, 1e30, 0.3, 1.0, 0.1, 0.2, 0.4, 0.8,
@@ -78,6 +79,7 @@ def test_top_n_sigma_matches_llama_cpp_on_hostile_rows_every_row_its_own_n():
       np.testing.assert_array_equal(out[r][keep], clean[keep])  # kept logits are unchanged
 
 
+@pytest.mark.slow
 def test_a_vocabulary_of_one_token():
   """top-nσ and XTC keep it; a repeat bans it (n-grams), and so does a bad word."""
   x = jnp.array([[2.0], [2.0], [2.0]])
@@ -748,6 +750,7 @@ def _old_temperature(x, t):
 
 
 @pytest.mark.parametrize("mode", ["branches", "straight"])
+@pytest.mark.slow
 def test_restructured_top_n_sigma_temperature_and_runs_keep_their_bits(mode):
   from jaxdecode import _platform  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(31)

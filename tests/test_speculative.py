@@ -63,6 +63,7 @@ EVERY_RULE = SamplingParams(
 
 @pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 3,
                                pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_speculative_equals_decode_bitwise_for_every_rule(k):
   logits, state, positions, drafter = setup(PROMPTS * 2)
   args = dict(key=jax.random.key(11), params=EVERY_RULE, max_new_tokens=N,
@@ -167,6 +168,7 @@ def test_a_model_with_history_rolls_back_by_position():
   assert_same_as_decode(out, jaxdecode.decode(HASHED_STEP, state, logits, **args))
 
 
+@pytest.mark.slow
 def test_a_dead_end_stops_a_row_as_decode_does_and_a_declared_cache_is_checked():
   # Rows meet NaN logits (a model past its cache) at different positions: speculative decoding
   # stops them at the same step as decode, bit for bit, without counting a draft there.
@@ -210,6 +212,7 @@ def test_ngram_lookup_continues_the_latest_match_periodically():
   assert drafts.tolist() == [[7, 8, 5, 6, 7, 8], [4, 4, 4, 4, 4, 4], [9, 9, 9, 9, 9, 9]]
 
 
+@pytest.mark.slow
 def test_new_values_do_not_recompile_and_bad_arguments_raise():
   traces = []
 

@@ -238,6 +238,7 @@ def rows_of(b, kind=None, chi=False):
 
 
 @pytest.mark.parametrize("kind", ["regex", "schema", "choice"])
+@pytest.mark.slow
 def test_outputs_match_their_constraint_whole_when_finished_and_as_a_prefix_when_cut(batch,
                                                                                      kind):
   out = batch["out"]
@@ -429,6 +430,7 @@ def find_row(b, spec, setting, prompt):
 
 
 @pytest.mark.parametrize("kind, spec, setting, prompt", ALONE)
+@pytest.mark.slow
 def test_each_row_of_the_stack_is_its_output_alone_bit_for_bit(batch, kind, spec, setting,
                                                                prompt):
   """Row r of the big stacked batch, with its key keys[r], equals the same prompt decoded by
@@ -953,6 +955,7 @@ def test_concrete_bans_that_empty_a_constraint_are_refused_by_every_loop():
 # A hostile user's inputs (issue 37): nothing silent, nothing unbounded.
 
 
+@pytest.mark.slow
 def test_every_loop_refuses_eos_ids_other_than_the_constraints():
   """eos_ids=[0] would end rows on an ordinary token of the text ("a" of "abc"), and eos_ids=[]
   would write the vocabulary's EOS as text: both are refused by every loop, naming both."""

@@ -151,6 +151,7 @@ def sixty_four_bit_arrays(jaxpr, found=None) -> list:
   return found
 
 
+@pytest.mark.slow
 def test_no_float64_or_int64_array_is_left_inside_the_loops_under_x64():
   # The structural side of the same promise, fast and in this process: traced with x64 on, the
   # sampler, decode, beam search and speculative decoding hold no 64-bit array (only weakly
