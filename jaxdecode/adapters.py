@@ -253,8 +253,7 @@ def transformers(model, params=None, tokenizer=None, *, eos_ids=None, pad_id=Non
   Args:
     model: e.g. `FlaxAutoModelForCausalLM.from_pretrained(path)`, `FlaxGPT2LMHeadModel`,
       `FlaxLlamaForCausalLM`, `FlaxGemmaForCausalLM`.
-    params: its weights (default `model.params`); carried in the state as data, so new weights
-      never recompile.
+    params: its weights (default `model.params`), carried as data: new ones never recompile.
     tokenizer: a transformers tokenizer (or a `Tokenizer`), or None (token ids only). When the
       model's embedding table is padded past the tokenizer's ids, the logits stop at the
       tokenizer's size: padded ids are never drawn.
@@ -368,7 +367,7 @@ def shared_index_functions(key, run: Callable, init_cache: Callable, *, invarian
   every row of a call at one shared index (this module's docstring), built once per `key`.
 
   Args:
-    key: what identifies the model's program (its structure, vocabulary, options), hashable.
+    key: what identifies the model's program (structure, vocabulary, options), hashable.
     run: `run(params, cache, tokens int32[B, T], positions int32[B, T], slots int32[B, S]) ->
       (logits [B, T, V], cache)`: the model writes the call's tokens at the cache's shared
       index; `slots[b, s]` is the position slot s holds for row b after the write (-1: none),
@@ -376,9 +375,8 @@ def shared_index_functions(key, run: Callable, init_cache: Callable, *, invarian
     init_cache: `init_cache(params, batch, cache_length) -> cache`, evaluated for its shapes
       only (the cache starts as zeros): leaves `[B, S, ...]` and the write index, of rank 0 or
       1 (transformers' `cache_index`, flax's examples/gemma `end_index [B]`).
-    invariant: run `run` under `jaxdecode.batch_invariant`.
-    vocab: V, the logits' width.
-    max_positions: the model's context.
+    invariant, vocab, max_positions: run `run` under `jaxdecode.batch_invariant`; V, the
+      logits' width; the model's context.
   """
   if key in _FUNCTIONS:
     return _FUNCTIONS[key]
@@ -397,8 +395,7 @@ def shared_index_functions(key, run: Callable, init_cache: Callable, *, invarian
   @functools.partial(jax.jit, static_argnames="cache_length")
   def prefill_jit(params, tokens, lengths, cache_length):
     logits, state = forward(params, tokens, lengths, cache_length)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return last, state
+    return _last(logits, lengths), state
 
   def prefill(params, tokens, lengths, cache_length):
     tokens, lengths = _checked_prompts(tokens, lengths, cache_length, max_positions, vocab)
@@ -408,8 +405,7 @@ def shared_index_functions(key, run: Callable, init_cache: Callable, *, invarian
   @functools.partial(jax.jit, static_argnames="cache_length")
   def scored_jit(params, tokens, lengths, cache_length):
     logits, state = forward(params, tokens, lengths, cache_length)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return last, state, token_logprobs(logits, tokens)
+    return _last(logits, lengths), state, token_logprobs(logits, tokens)
 
   def prompt_logprobs(params, tokens, lengths, cache_length):
     tokens, lengths = _checked_prompts(tokens, lengths, cache_length, max_positions, vocab)
@@ -425,6 +421,11 @@ def shared_index_functions(key, run: Callable, init_cache: Callable, *, invarian
   step.position_limit = functools.partial(_position_limit, max_positions)
   fns = _FUNCTIONS[key] = SharedIndexFunctions(prefill, step, logits, prompt_logprobs)
   return fns
+
+
+def _last(logits, lengths):
+  """Each row's logits after its last prompt token: `[B, T, V]` -> `[B, V]`."""
+  return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
 
 
 def token_logprobs(logits, tokens):
