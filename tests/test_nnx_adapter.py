@@ -186,7 +186,8 @@ def test_bf16_weights_keep_a_bf16_cache_and_a_step_past_a_full_cache_gives_nan()
                                         buckets=None)
   width = tokens.shape[1]
   logits, state, positions = adapter.prefill(tokens, lengths, width + 2)
-  assert {x.dtype for x in jax.tree.leaves(state["cache"]) if x.ndim > 1} == {jnp.bfloat16}
+  kv_dtypes = {x.dtype for x in jax.tree.leaves(state["cache"]) if x.ndim > 1}
+  assert kv_dtypes == {jnp.dtype(jnp.bfloat16)}
   assert logits.dtype == jnp.bfloat16 and adapter.step_fn.position_limit(state) == width + 2
   with pytest.raises(ValueError, match="max_new_tokens=4 does not fit the model state"):
     jaxdecode.decode(adapter.step_fn, state, logits, key=jax.random.key(0), max_new_tokens=4,
