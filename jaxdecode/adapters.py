@@ -18,12 +18,12 @@ adapters are in `jaxdecode.models.adapters`):
   `models.adapters.nnx` are built on it).
 
 transformers' Flax models (and flax's examples/gemma) write every row of a call at one shared
-index (`cache_index`), and mask slots with an attention mask. The loops need per-row
-positions: speculative decoding accepts a different number of drafts per row, and a row's
-next call starts at its own position. So the state keeps, per row, the position each cache slot holds (`slots`, -1 for
-none), and each call (1) forgets the slots holding positions at or past the row's new ones
-(rejected drafts), (2) moves the shared write index back to just after the last slot any row
-still holds, (3) when the call's tokens would not fit, compacts each row's held slots to the
+index (`cache_index`), and mask slots with an attention mask. The loops need per-row positions:
+speculative decoding accepts a different number of drafts per row, and a row's next call starts
+at its own position. So the state keeps, per row, the position each cache slot holds (`slots`,
+-1 for none), and each call (1) forgets the slots holding positions at or past the row's new
+ones (rejected drafts), (2) moves the shared write index back to just after the last slot any
+row still holds, (3) when the call's tokens would not fit, compacts each row's held slots to the
 front (in order, so attention sees the same keys in the same order), then (4) writes the call's
 tokens with their own position ids and a mask of the held slots. Under `batch_invariant`, where
 every sum is an in-order chain, masked slots are exact zeros wherever they sit, so a row's bits
