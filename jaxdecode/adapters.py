@@ -12,15 +12,18 @@ adapters are in `jaxdecode.models.adapters`):
 - `transformers(model, params, tokenizer)`: a transformers `FlaxPreTrainedModel` with
   `init_cache` (GPT-2, Llama, Gemma, ...);
 - `from_functions(...)`: any family, from a prefill and a step function written by hand
-  (docs/step_functions.md).
+  (docs/step_functions.md);
+- `shared_index_functions(...)`: the prefill and step of any model whose cache writes every
+  row at one shared index, from one call of the model (`transformers` and
+  `models.adapters.nnx` are built on it).
 
-transformers' Flax models write every row of a call at one shared `cache_index`, and mask
-slots with a `[B, S]` attention mask. The loops need per-row positions: speculative decoding
-accepts a different number of drafts per row, and a row's next call starts at its own
-position. So the state keeps, per row, the position each cache slot holds (`slots`, -1 for
-none), and each call (1) forgets the slots holding positions at or past the row's new ones
-(rejected drafts), (2) moves the shared write index back to just after the last slot any row
-still holds, (3) when the call's tokens would not fit, compacts each row's held slots to the
+transformers' Flax models (and flax's examples/gemma) write every row of a call at one shared
+index (`cache_index`), and mask slots with an attention mask. The loops need per-row positions:
+speculative decoding accepts a different number of drafts per row, and a row's next call starts
+at its own position. So the state keeps, per row, the position each cache slot holds (`slots`,
+-1 for none), and each call (1) forgets the slots holding positions at or past the row's new
+ones (rejected drafts), (2) moves the shared write index back to just after the last slot any
+row still holds, (3) when the call's tokens would not fit, compacts each row's held slots to the
 front (in order, so attention sees the same keys in the same order), then (4) writes the call's
 tokens with their own position ids and a mask of the held slots. Under `batch_invariant`, where
 every sum is an in-order chain, masked slots are exact zeros wherever they sit, so a row's bits
@@ -240,7 +243,7 @@ def tokenizer(hf, vocab_size: int | None = None, eos_ids=None) -> Tokenizer:
 # ---------------------------------------------------------------------------------------------
 # transformers' Flax causal LMs.
 
-_HF_FUNCTIONS: dict = {}  # one set of jitted functions per (model, vocab, invariant)
+_FUNCTIONS: dict = {}  # one set of jitted functions per model program (shared_index_functions)
 
 
 def transformers(model, params=None, tokenizer=None, *, eos_ids=None, pad_id=None,
@@ -250,8 +253,7 @@ def transformers(model, params=None, tokenizer=None, *, eos_ids=None, pad_id=Non
   Args:
     model: e.g. `FlaxAutoModelForCausalLM.from_pretrained(path)`, `FlaxGPT2LMHeadModel`,
       `FlaxLlamaForCausalLM`, `FlaxGemmaForCausalLM`.
-    params: its weights (default `model.params`); carried in the state as data, so new weights
-      never recompile.
+    params: its weights (default `model.params`), carried as data: new ones never recompile.
     tokenizer: a transformers tokenizer (or a `Tokenizer`), or None (token ids only). When the
       model's embedding table is padded past the tokenizer's ids, the logits stop at the
       tokenizer's size: padded ids are never drawn.
@@ -301,13 +303,9 @@ def transformers(model, params=None, tokenizer=None, *, eos_ids=None, pad_id=Non
   max_positions = (getattr(model.config, "n_positions", None)
                    or getattr(model.config, "max_position_embeddings", None))
   fns = _hf_functions(model, vocab, batch_invariant, int(max_positions))
-  return from_functions(
-      name + (" (batch_invariant)" if batch_invariant else ""),
-      prefill=functools.partial(fns.prefill, params), step_fn=fns.step,
-      state_axes={"cache": 0, "slots": 0, "params": None}, vocab_size=vocab,
-      max_positions=max_positions, eos_ids=eos_ids, pad_id=pad_id, tokenizer=tokenizer,
-      logits_fn=jax.tree_util.Partial(fns.logits, params),
-      prompt_logprobs=functools.partial(fns.prompt_logprobs, params))
+  return fns.adapter(name + (" (batch_invariant)" if batch_invariant else ""), params,
+                     vocab_size=vocab, max_positions=max_positions, eos_ids=eos_ids,
+                     pad_id=pad_id, tokenizer=tokenizer)
 
 
 def _eos_ids(name, eos_ids, tokenizer, config) -> tuple:
@@ -325,43 +323,79 @@ def _eos_ids(name, eos_ids, tokenizer, config) -> tuple:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Functions:
+class SharedIndexFunctions:
+  """The jitted functions of one model over a shared-index cache (`shared_index_functions`)."""
   prefill: Callable  # (params, tokens, lengths, cache_length) -> (logits, state, positions)
   step: Callable  # jitted, with position_limit
   logits: Callable  # (params, tokens, lengths) -> logits [B, T, V]
   prompt_logprobs: Callable  # prefill's, and the prompt tokens' log-probabilities
 
+  def adapter(self, name: str, params, **fields) -> Adapter:
+    """The `Adapter` of these functions over the weights `params` (carried in the state as
+    data, so new weights never recompile); `fields`: `from_functions`' vocab_size,
+    max_positions, eos_ids, pad_id and tokenizer."""
+    return from_functions(
+        name, prefill=functools.partial(self.prefill, params), step_fn=self.step,
+        state_axes={"cache": 0, "slots": 0, "params": None},
+        logits_fn=jax.tree_util.Partial(self.logits, params),
+        prompt_logprobs=functools.partial(self.prompt_logprobs, params), **fields)
 
-def _hf_functions(model, vocab: int, invariant: bool, max_positions: int) -> _Functions:
+
+def _hf_functions(model, vocab: int, invariant: bool,
+                  max_positions: int) -> SharedIndexFunctions:
   """The jitted prefill, step and logits of a transformers model, built once per model."""
-  key = (model, vocab, invariant)
-  if key in _HF_FUNCTIONS:
-    return _HF_FUNCTIONS[key]
 
-  def run(params, cache, tokens, mask, position_ids):
+  def run(params, cache, tokens, positions, slots):
     # transformers' Flax code relies on NumPy rank promotion (a bias [F] added to [B, T, F]).
+    # Its attention mask is [B, S] over the slots; it adds the causal part itself.
     with jax.numpy_rank_promotion("allow"):
-      out = model(tokens, attention_mask=mask, position_ids=position_ids, params=params,
-                  past_key_values=cache)
+      out = model(tokens, attention_mask=(slots >= 0).astype(jnp.int32), position_ids=positions,
+                  params=params, past_key_values=cache)
     return out.logits[..., :vocab], out.past_key_values
 
+  def init_cache(params, batch, cache_length):
+    del params  # transformers' caches depend on the config alone
+    return model.init_cache(batch, cache_length)
+
+  return shared_index_functions((model, vocab, invariant), run, init_cache, invariant=invariant,
+                                vocab=vocab, max_positions=max_positions)
+
+
+def shared_index_functions(key, run: Callable, init_cache: Callable, *, invariant: bool,
+                           vocab: int, max_positions: int) -> SharedIndexFunctions:
+  """The prefill, step, logits and prompt log-probabilities of a model whose KV cache writes
+  every row of a call at one shared index (this module's docstring), built once per `key`.
+
+  Args:
+    key: what identifies the model's program (structure, vocabulary, options), hashable.
+    run: `run(params, cache, tokens int32[B, T], positions int32[B, T], slots int32[B, S]) ->
+      (logits [B, T, V], cache)`: the model writes the call's tokens at the cache's shared
+      index; `slots[b, s]` is the position slot s holds for row b after the write (-1: none),
+      from which `run` builds the model's attention mask.
+    init_cache: `init_cache(params, batch, cache_length) -> cache`, evaluated for its shapes
+      only (the cache starts as zeros): leaves `[B, S, ...]` and the write index, of rank 0 or
+      1 (transformers' `cache_index`, flax's examples/gemma `end_index [B]`).
+    invariant, vocab, max_positions: run `run` under `jaxdecode.batch_invariant`; V, the
+      logits' width; the model's context.
+  """
+  if key in _FUNCTIONS:
+    return _FUNCTIONS[key]
   run = _batch_invariant(run) if invariant else run
 
   def forward(params, tokens, lengths, cache_length):
     batch, width = tokens.shape
-    shapes = jax.eval_shape(functools.partial(model.init_cache, batch, cache_length))
+    shapes = jax.eval_shape(functools.partial(init_cache, params, batch, cache_length))
     cache = lax.optimization_barrier(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
     slots = jnp.arange(cache_length, dtype=jnp.int32)[None, :]
     slots = jnp.where(slots < lengths[:, None], slots, -1)  # [B, S]: row b holds 0..len-1
-    position_ids = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    logits, cache = run(params, cache, tokens, (slots >= 0).astype(jnp.int32), position_ids)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    logits, cache = run(params, cache, tokens, positions, slots)
     return logits, {"cache": cache, "slots": slots, "params": params}
 
   @functools.partial(jax.jit, static_argnames="cache_length")
   def prefill_jit(params, tokens, lengths, cache_length):
     logits, state = forward(params, tokens, lengths, cache_length)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return last, state
+    return _last(logits, lengths), state
 
   def prefill(params, tokens, lengths, cache_length):
     tokens, lengths = _checked_prompts(tokens, lengths, cache_length, max_positions, vocab)
@@ -371,8 +405,7 @@ def _hf_functions(model, vocab: int, invariant: bool, max_positions: int) -> _Fu
   @functools.partial(jax.jit, static_argnames="cache_length")
   def scored_jit(params, tokens, lengths, cache_length):
     logits, state = forward(params, tokens, lengths, cache_length)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return last, state, token_logprobs(logits, tokens)
+    return _last(logits, lengths), state, token_logprobs(logits, tokens)
 
   def prompt_logprobs(params, tokens, lengths, cache_length):
     tokens, lengths = _checked_prompts(tokens, lengths, cache_length, max_positions, vocab)
@@ -384,10 +417,15 @@ def _hf_functions(model, vocab: int, invariant: bool, max_positions: int) -> _Fu
     tokens = jnp.asarray(tokens, jnp.int32)
     return forward(params, tokens, jnp.asarray(lengths, jnp.int32), tokens.shape[1])[0]
 
-  step = jax.jit(functools.partial(_hf_step, run))
+  step = jax.jit(functools.partial(_shared_index_step, run))
   step.position_limit = functools.partial(_position_limit, max_positions)
-  fns = _HF_FUNCTIONS[key] = _Functions(prefill, step, logits, prompt_logprobs)
+  fns = _FUNCTIONS[key] = SharedIndexFunctions(prefill, step, logits, prompt_logprobs)
   return fns
+
+
+def _last(logits, lengths):
+  """Each row's logits after its last prompt token: `[B, T, V]` -> `[B, V]`."""
+  return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
 
 
 def token_logprobs(logits, tokens):
@@ -420,8 +458,8 @@ def _checked_prompts(tokens, lengths, cache_length, max_positions, vocab):
   return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
-def _hf_step(run, state, tokens, positions):
-  """The loops' step over a transformers cache: `(state, tokens [B] or [B, K], positions [B])
+def _shared_index_step(run, state, tokens, positions):
+  """The loops' step over a shared-index cache: `(state, tokens [B] or [B, K], positions [B])
   -> (logits, state)`; row b's tokens get positions `positions[b] + k`."""
   single = jnp.ndim(tokens) == 1
   tokens = jnp.asarray(tokens, jnp.int32)
@@ -431,22 +469,28 @@ def _hf_step(run, state, tokens, positions):
   cache, slots = _make_room(state["cache"], state["slots"], positions, width)
   index = _cache_index(cache)
   fits = index + width <= slots.shape[1]
-  new_positions = positions[:, None] + jnp.arange(width, dtype=jnp.int32)
+  new_positions = positions[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
   slots = lax.dynamic_update_slice(slots, new_positions, (jnp.int32(0), index))
-  logits, cache = run(state["params"], cache, tokens, (slots >= 0).astype(jnp.int32),
-                      new_positions)
+  logits, cache = run(state["params"], cache, tokens, new_positions, slots)
   # A call that does not fit the cache would overwrite held slots: its logits are NaN, so the
   # loops stop there (`position_limit` lets them refuse such a request beforehand).
   logits = jnp.where(fits, logits, jnp.nan)
   return (logits[:, 0] if single else logits), {**state, "cache": cache, "slots": slots}
 
 
+def _is_index(leaf) -> bool:
+  """A cache's write index: a leaf of rank 0 (transformers' `cache_index`) or 1 (flax's
+  examples/gemma `end_index [B]`, which every row reads at row 0: one shared index too)."""
+  return jnp.ndim(leaf) <= 1
+
+
 def _cache_index(cache) -> jax.Array:
-  return next(x for x in jax.tree.leaves(cache) if jnp.ndim(x) == 0)
+  return jnp.max(next(x for x in jax.tree.leaves(cache) if _is_index(x))).astype(jnp.int32)
 
 
 def _with_index(cache, index):
-  return jax.tree.map(lambda x: index.astype(x.dtype) if jnp.ndim(x) == 0 else x, cache)
+  return jax.tree.map(
+      lambda x: jnp.full(jnp.shape(x), index, x.dtype) if _is_index(x) else x, cache)
 
 
 def _make_room(cache, slots, positions, width: int):
@@ -469,7 +513,7 @@ def _make_room(cache, slots, positions, width: int):
     order = jnp.where(needed, order, jnp.arange(size, dtype=order.dtype)[None, :])
     gather = lambda a: jnp.take_along_axis(
         a, order.reshape(order.shape + (1,) * (a.ndim - 2)), axis=1)
-    cache = jax.tree.map(lambda a: gather(a) if jnp.ndim(a) >= 2 else a, cache)
+    cache = jax.tree.map(lambda a: a if _is_index(a) else gather(a), cache)
     count = jnp.max(jnp.sum(held, axis=1, dtype=jnp.int32))
     return _with_index(cache, jnp.where(needed, count, last)), gather(slots)
 

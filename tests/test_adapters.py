@@ -22,6 +22,8 @@ from jaxdecode.adapters import _make_room, _position_limit  # pylint: disable=pr
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 import hf_models  # pylint: disable=wrong-import-position
+# pylint: disable-next=wrong-import-position
+from adapter_checks import bits as _bits, check_needle, check_speculative
 
 POSITIONS = 64
 NEW = 6
@@ -49,11 +51,6 @@ def _adapter(family, hf_tokenizer, *, invariant=False, dtype=jnp.float32, seed=0
                                   dtype=dtype, seed=seed, layers=layers)
   return (adapters.transformers(model, params, hf_tokenizer, batch_invariant=invariant),
           model, params)
-
-
-def _bits(x):
-  x = np.asarray(x)
-  return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,48 +174,18 @@ def test_greedy_generate_equals_the_familys_own_greedy_generate(family, hf_token
     assert out.texts[row] == hf_tokenizer.decode([t for t in expected if t != eos])
 
 
-def _needle_run(adapter, prompts, keys, temperature, top_p):
-  ids = [adapter.tokenizer.encode(p) for p in prompts]
-  tokens, lengths = jaxdecode.right_pad(ids, pad_id=adapter.pad_id, buckets=None)
-  logits, state, positions = adapter.prefill(tokens, lengths, tokens.shape[1] + NEW)
-  out = jaxdecode.decode(adapter.step_fn, state, logits, key=keys, max_new_tokens=NEW,
-                         params=jaxdecode.SamplingParams(temperature=temperature, top_p=top_p),
-                         positions=positions, eos_ids=adapter.eos_ids, pad_id=adapter.pad_id)
-  return np.asarray(out.tokens), np.asarray(out.logprobs)
-
-
-def check_needle(adapter, sizes=(2, 7)):
-  """A prompt alone, then at a random slot of batches of `sizes` beside prompts of other
-  lengths with their own keys and sampling parameters: tokens and log-probs bitwise."""
-  needle, key = "the quick brown fox", jax.random.key(39)
-  alone = _needle_run(adapter, [needle], key[None], np.float32([0.9]), np.float32([0.9]))
-  for size in sizes:
-    rng = np.random.default_rng(size)
-    slot = int(rng.integers(size))
-    prompts = [hf_models.TEXTS[int(rng.integers(len(hf_models.TEXTS)))][:int(rng.integers(1, 30))]
-               or "x" for _ in range(size)]
-    keys = list(jax.random.split(jax.random.key(size), size))
-    temperature, top_p = rng.uniform(0.6, 1.4, size), rng.uniform(0.7, 1.0, size)
-    prompts[slot], keys[slot], temperature[slot], top_p[slot] = needle, key, 0.9, 0.9
-    tokens, logprobs = _needle_run(adapter, prompts, jnp.stack(keys),
-                                   temperature.astype(np.float32), top_p.astype(np.float32))
-    np.testing.assert_array_equal(tokens[slot], alone[0][0], err_msg=f"batch of {size}")
-    np.testing.assert_array_equal(_bits(logprobs[slot]), _bits(alone[1][0]),
-                                  err_msg=f"batch of {size}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", hf_models.FAMILIES)
 def test_needle_bitwise_alone_and_in_batches_of_2_and_7_under_batch_invariant(family,
                                                                              hf_tokenizer):
-  check_needle(_adapter(family, hf_tokenizer, invariant=True)[0])
+  check_needle(_adapter(family, hf_tokenizer, invariant=True)[0], hf_models.TEXTS, NEW)
 
 
 @pytest.mark.slow
 def test_bf16_weights_needle_bitwise_under_batch_invariant(hf_tokenizer):
   adapter, _, params = _adapter("llama", hf_tokenizer, invariant=True, dtype=jnp.bfloat16)
   assert {p.dtype for p in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
-  check_needle(adapter, sizes=(5,))
+  check_needle(adapter, hf_models.TEXTS, NEW, sizes=(5,))
 
 
 @pytest.mark.slow
@@ -256,15 +223,7 @@ def test_speculative_with_a_draft_of_the_same_family_gives_decodes_bits(family, 
   # Layer skipping: the draft is the model without its last layer (its own weights otherwise).
   draft = adapters.transformers(small, _without_layer(params, "1"), hf_tokenizer,
                                 batch_invariant=True)
-  options = dict(model=adapter, max_new_tokens=12, n=2, seed=3,
-                 params=jaxdecode.SamplingParams(temperature=0.7, top_p=0.9))
-  plain = jaxdecode.models.generate(PROMPTS, **options)
-  fast = jaxdecode.models.generate(PROMPTS, **options, draft=draft, num_draft_tokens=3)
-  np.testing.assert_array_equal(fast.tokens, plain.tokens)
-  np.testing.assert_array_equal(_bits(fast.logprobs), _bits(plain.logprobs))
-  assert fast.texts == plain.texts
-  assert 0 < fast.accepted.sum() < fast.drafted.sum()
-  assert len(set(fast.accepted.tolist())) > 1
+  check_speculative(adapter, draft, PROMPTS)
 
 
 @pytest.mark.slow
