@@ -99,6 +99,7 @@ def test_bad_input_is_refused_with_the_argument_named_before_compiling(model, pl
     jaxdecode.models.generate(["hi"], model=model)
 
 
+@pytest.mark.slow
 def test_steps_at_each_rows_own_position_give_the_full_forwards_logits(forward, plain):
   """Two rows of different lengths, then two-token calls (drafts) at each row's own position;
   the third after row 0 rejected its last draft, in a cache so small that the call compacts
