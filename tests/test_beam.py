@@ -176,8 +176,8 @@ ISSUE_TABLE = _log([[0, .6, 0, 0, .4], [0, 0, 1, 0, 0], [0, 1, 0, 0, 0], [0, 0, 
                     [0, 0, 0, 0, 1]])
 
 
-@pytest.mark.parametrize("early_stopping", [True, pytest.param(False, marks=pytest.mark.slow)])
 @pytest.mark.slow
+@pytest.mark.parametrize("early_stopping", [True, False])
 def test_an_eos_candidate_no_longer_ties_into_the_running_beams_and_hides_the_best_beam(
     early_stopping):
   # Issue 33's reproduction: -1e9 - log(.6) == -1e9 - log(.4) in float32, so the EOS candidate
@@ -220,10 +220,8 @@ def sparse_table(vocab, seed, *, keep=0.35):
   return jnp.asarray(table), np.where(np.isnan(table), -np.inf, table)
 
 
-@pytest.mark.parametrize("early_stopping", [
-    True, pytest.param(False, marks=pytest.mark.slow),
-    pytest.param("never", marks=pytest.mark.slow)])
 @pytest.mark.slow
+@pytest.mark.parametrize("early_stopping", [True, False, "never"])
 def test_when_k_covers_every_possible_prefix_the_hypotheses_are_every_possible_sequence(
     early_stopping):
   # Brute force: with K at least the possible candidates of every step and the possible

@@ -61,9 +61,8 @@ EVERY_RULE = SamplingParams(
     logit_bias=[None, None, None, None, {5: 2.0, 9: -1.0}, None] * 2)
 
 
-@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 3,
-                               pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 3, 8])
 def test_speculative_equals_decode_bitwise_for_every_rule(k):
   logits, state, positions, drafter = setup(PROMPTS * 2)
   args = dict(key=jax.random.key(11), params=EVERY_RULE, max_new_tokens=N,

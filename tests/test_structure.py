@@ -43,8 +43,7 @@ def invariant():
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("width", [1, pytest.param(5, marks=pytest.mark.slow),
-                                   pytest.param(32, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("width", [1, 5, 32])
 @pytest.mark.slow
 def test_the_invariant_step_leaves_no_sum_to_the_backend(invariant, platform, width):
   _, _, step_fn, state = invariant

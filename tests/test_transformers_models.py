@@ -323,7 +323,7 @@ def _shapes(tree):
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
-@pytest.mark.parametrize("family", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.slow
 def test_no_unordered_sum_left_in_the_step_and_prefill(family, platform):
   """Lowered for each platform (no such device needed): the plain programs leave float sums to
