@@ -275,10 +275,10 @@ def test_the_bits_stay_batch_invariant_when_xla_may_use_only_an_older_instructio
 @pytest.mark.slow
 def test_the_constructions_tests_pass_under_xlas_default_code_generation():
   """The suite compiles with XLA:CPU's older element-wise emitters and LLVM at -O1
-  (tests/conftest.py), which changes where XLA's own kernels round differently: e.g. `exp` at some array lengths takes
-  another code path only in vectorized code. The tests of the invariant numerics and of
-  `batch_invariant` therefore run once more, in a run of their own compiled with XLA's
-  defaults, where those kernels are the ones users get."""
+  (tests/conftest.py), which changes where XLA's own kernels round differently: e.g. `exp` at
+  some array lengths takes another code path only in vectorized code. The tests of the
+  invariant numerics and of `batch_invariant` therefore run once more, in a run of their own
+  compiled with XLA's defaults, where those kernels are the ones users get."""
   fast = conftest._FAST_COMPILE
   flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f not in fast)
   env = dict(os.environ, XLA_FLAGS=flags, JAXDECODE_TEST_XLA_FLAGS="default")

@@ -73,10 +73,11 @@ def _cell(nb, marker: str):
 
 
 def test_notebook_runs_without_errors(executed):
-  """Over a minute (its module fixture executes the notebook: 183 s in the last CI-way run on 2 cores): the cells
-  claim things of the embedded model's own decoding (reproducible texts, speculative decoding
-  giving plain decoding's tokens, structured outputs, an RL step with equal log-probs, the sweep,
-  the bench and doctor tables), so each compiles the real programs a Colab user runs."""
+  """Over a minute (its module fixture executes the notebook: 183 s in the last CI-way run on
+  2 cores): the cells claim things of the embedded model's own decoding (reproducible texts,
+  speculative decoding giving plain decoding's tokens, structured outputs, an RL step with
+  equal log-probs, the sweep, the bench and doctor tables), so each compiles the real programs
+  a Colab user runs."""
   nb, _ = executed
   errors = [(o.ename, o.evalue) for c in nb.cells if c.cell_type == "code" for o in c.outputs
             if o.output_type == "error"]
