@@ -1,9 +1,10 @@
 """Strict JAX for every test: implicit rank promotion raises, warnings are errors (pyproject);
-XLA:CPU compiling faster (older element-wise emitters, LLVM at -O1); one XLA compilation cache per
-test run, shared by its workers; compiled code dropped before a worker runs out of memory
-mappings."""
+XLA:CPU compiling faster (older element-wise emitters, LLVM at -O0, no FMA instructions); one
+XLA compilation cache per test run, shared by its workers; compiled code dropped before a worker
+runs out of memory mappings."""
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -39,28 +40,34 @@ def _use_cache(path: str) -> None:
 
 # XLA compiling is most of the suite's time: 70% of the fast loop's CPU time (433 of 616 s,
 # measured per test). The suite therefore has XLA:CPU compile faster than it does by default:
-# with its older element-wise emitters, and LLVM at -O1. The emitters took test_decoding's fast
-# tests from 75 to 56 s of CPU (two paired runs, no compilation cache); -O1 on top took
-# test_models.py from 68 to 54 s. Every bitwise assertion compares programs compiled with the
-# same flags, and the whole suite passes under these flags as under the defaults (but not at
-# -O0: below). XLA's default code generation stays under test all the same: tests/test_invariance.py
-# runs the construction's tests again under it, and the tests that start processes with XLA_FLAGS
-# of their own (8 devices, older instruction sets) run XLA's defaults.
+# with its older element-wise emitters, LLVM at -O0, and (x86) no instruction past AVX. Measured
+# the whole suite, 2 workers: 1,774 s with the emitters and -O1, 1,295 s with these flags; the
+# emitters alone took test_decoding's fast tests from 75 to 56 s of CPU.
+# Why AVX: at -O0 XLA:CPU still writes fused multiply-adds where its own math functions use them
+# (the polynomial of `exp`, `log`, `tanh`: vfmadd in the object code of a -O0 program), but it
+# contracts no plain multiply and add (`jit(a * b + c)` with a = b = 1 + 2**-12,
+# c = -(1 + 2**-11): 0 at -O0, 2**-24 at -O1, -O2 and the defaults, which contract). So two
+# programs that compute the same arithmetic in different kernels (a decode step and the full
+# forward; the CPU and GPU formulations of a decode) then differ in last bits: measured, 7 tests
+# fail at -O0 on an AVX2 machine. AVX has no FMA instruction at all, so under it every multiply
+# and add rounds twice in every program alike, and the whole suite passes.
+# Every bitwise assertion compares programs compiled with the same flags. XLA's default code
+# generation stays under test all the same: tests/test_invariance.py runs the construction's
+# tests and the step-against-forward tests again under it, and the tests that start processes
+# with XLA_FLAGS of their own (8 devices, older instruction sets) run XLA's defaults.
 # JAXDECODE_TEST_XLA_FLAGS=default compiles with XLA's defaults throughout.
-# (LLVM at -O0 compiles faster still, but there the CPU and GPU formulations of a decode differ
-# in the last bits of some log-probs, and the embedded model's decode step differs from its full
-# forward pass. At -O0 XLA:CPU contracts no multiply and add into an FMA, where -O1 and -O2 do
-# (checked: jit(a * b + c) with a = b = 1 + 2**-12, c = -(1 + 2**-11) gives 0 at -O0 and 2**-24
-# at -O1 and -O2); which multiply-adds of the two programs that reaches is not yet found.)
 _FLAGS_ENV = "JAXDECODE_TEST_XLA_FLAGS"
-_FAST_COMPILE = ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=1")
+_FAST_COMPILE = ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=0",
+                 "--xla_cpu_max_isa=AVX")
+if platform.machine().lower() not in ("x86_64", "amd64"):  # no AVX cap: FMA everywhere, so -O1
+  _FAST_COMPILE = ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=1")
 
 
 def _fast_compile_flags() -> str:
   """XLA_FLAGS with `_FAST_COMPILE` added, or unchanged where this XLA does not take them (an
   unknown flag aborts the process that starts a backend, so a child process tries them first)."""
   flags = " ".join([os.environ.get("XLA_FLAGS", ""), *_FAST_COMPILE]).strip()
-  probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
+  probe = subprocess.run([sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1.0)"],
                          env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu"),
                          capture_output=True, timeout=120, check=False)
   return flags if probe.returncode == 0 else os.environ.get("XLA_FLAGS", "")

@@ -274,21 +274,28 @@ def test_the_bits_stay_batch_invariant_when_xla_may_use_only_an_older_instructio
 
 @pytest.mark.slow
 def test_the_constructions_tests_pass_under_xlas_default_code_generation():
-  """The suite compiles with XLA:CPU's older element-wise emitters and LLVM at -O1
-  (tests/conftest.py), which changes where XLA's own kernels round differently: e.g. `exp` at
-  some array lengths takes another code path only in vectorized code. The tests of the
-  invariant numerics and of `batch_invariant` therefore run once more, in a run of their own
-  compiled with XLA's defaults, where those kernels are the ones users get."""
+  """The suite compiles with XLA:CPU's older element-wise emitters, LLVM at -O0 and no FMA
+  instructions (tests/conftest.py), which changes where XLA's own kernels round differently
+  (e.g. `exp` at some array lengths takes another code path only in vectorized code) and which
+  multiply-adds are fused. The tests of the invariant numerics and of `batch_invariant`, and
+  the embedded model's decode step against its full forward pass (two programs that must fuse
+  their multiply-adds alike), therefore run once more, in runs of their own compiled with
+  XLA's defaults, where those kernels are the ones users get."""
   fast = conftest._FAST_COMPILE
   flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f not in fast)
   env = dict(os.environ, XLA_FLAGS=flags, JAXDECODE_TEST_XLA_FLAGS="default")
-  tests = [os.path.join(os.path.dirname(__file__), name)
-           for name in ("test_numerics.py", "test_batch_invariant.py")]
-  result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p",
-                           "no:cacheprovider", "-o", "addopts=", "-q", "-m", "not slow", *tests],
-                          env=env, capture_output=True, text=True, timeout=900, check=False)
-  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-  assert re.search(r"\d+ passed", result.stdout) and "failed" not in result.stdout
+  here = os.path.dirname(__file__)
+  runs = [["-m", "not slow", *(os.path.join(here, name)
+                               for name in ("test_numerics.py", "test_batch_invariant.py"))],
+          [os.path.join(here, "test_models.py") + "::" + name for name in (
+              "test_cached_decoding_matches_full_forward_at_every_step_bit_for_bit",
+              "test_a_k_token_step_equals_k_single_steps_bit_for_bit")]]
+  for tests in runs:
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p",
+                             "no:cacheprovider", "-o", "addopts=", "-q", *tests],
+                            env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert re.search(r"\d+ passed", result.stdout) and "failed" not in result.stdout
 
 
 # ---------------------------------------------------------------------------------------------
