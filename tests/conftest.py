@@ -53,8 +53,9 @@ def _use_cache(path: str) -> None:
 # and add rounds twice in every program alike, and the whole suite passes.
 # Every bitwise assertion compares programs compiled with the same flags. XLA's default code
 # generation stays under test all the same: tests/test_invariance.py runs the construction's
-# tests and the step-against-forward tests again under it, and the tests that start processes
-# with XLA_FLAGS of their own (8 devices, older instruction sets) run XLA's defaults.
+# tests and the step-against-forward tests again under it, and its tests of older instruction
+# sets start processes with XLA's defaults (capped at AVX2, SSE4.2). Processes started with
+# 8 host devices compile as the run does (`xla_flags`).
 # JAXDECODE_TEST_XLA_FLAGS=default compiles with XLA's defaults throughout.
 _FLAGS_ENV = "JAXDECODE_TEST_XLA_FLAGS"
 _FAST_COMPILE = ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=0",
@@ -71,6 +72,12 @@ def _fast_compile_flags() -> str:
                          env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu"),
                          capture_output=True, timeout=120, check=False)
   return flags if probe.returncode == 0 else os.environ.get("XLA_FLAGS", "")
+
+
+def xla_flags(*extra: str) -> str:
+  """This run's XLA_FLAGS with `extra` added, for a process a test starts (e.g. with 8 host
+  devices): it compiles as the run does; tests about code generation set their own."""
+  return " ".join([os.environ.get("XLA_FLAGS", ""), *extra]).strip()
 
 
 def pytest_configure(config):

@@ -12,6 +12,7 @@ import pytest
 
 import jaxdecode
 from jaxdecode import SamplingParams, decoding, prompts
+import conftest
 import toy_model
 
 VOCAB = 13
@@ -340,7 +341,7 @@ SHARDED = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_sharded_over_8_devices_equals_one_device():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=conftest.xla_flags("--xla_force_host_platform_device_count=8"),
              JAX_PLATFORMS="cpu")
   script = SHARDED.format(tests=os.path.dirname(__file__))
   result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import conftest
 from jaxdecode.models import training
 from jaxdecode.models import load_checkpoint
 
@@ -33,7 +34,8 @@ def test_core_sampling_example(capsys):
 
 @pytest.mark.parametrize("devices", [1, 8])
 def test_sharded_decode_example_matches_one_device(devices):
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  env = dict(os.environ, XLA_FLAGS=conftest.xla_flags(
+                 f"--xla_force_host_platform_device_count={devices}"),
              JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, os.path.join(EXAMPLES, "sharded_decode.py")],
                           env=env, capture_output=True, text=True, timeout=300)

@@ -211,7 +211,7 @@ def test_eight_devices_give_the_bits_of_one(tmp_path):
     np.testing.assert_array_equal(out.logprobs, one.logprobs)
     print("8 devices equal")
   """) % os.path.dirname(__file__)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, XLA_FLAGS=conftest.xla_flags("--xla_force_host_platform_device_count=8"))
   result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
