@@ -27,7 +27,7 @@ def test_the_extractor_finds_blocks_and_their_lines():
 
 
 def test_every_python_block_of_the_guide_runs_in_order():
-  """Over a minute (93 s in the last CI-way run on 2 cores): the guide's printed figures (kept
+  """Over a minute (85-108 s in the CI-way runs on 2 cores): the guide's printed figures (kept
   sets, acceptance rates, the forced constraint's log-probs) are the embedded model's, so its
   blocks run that model; the speculative-decoding block alone runs six generates over three drafting setups (none, prompt
   lookup, the draft model), each a loop of its own to compile."""
