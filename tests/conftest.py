@@ -58,20 +58,26 @@ def _use_cache(path: str) -> None:
 # 8 host devices compile as the run does (`xla_flags`).
 # JAXDECODE_TEST_XLA_FLAGS=default compiles with XLA's defaults throughout.
 _FLAGS_ENV = "JAXDECODE_TEST_XLA_FLAGS"
-_FAST_COMPILE = ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=0",
-                 "--xla_cpu_max_isa=AVX")
-if platform.machine().lower() not in ("x86_64", "amd64"):  # no AVX cap: FMA everywhere, so -O1
-  _FAST_COMPILE = ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=1")
+_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+_O1 = (_EMITTERS, "--xla_backend_optimization_level=1")
+_O0_NO_FMA = (_EMITTERS, "--xla_backend_optimization_level=0", "--xla_cpu_max_isa=AVX")
+# The first set this XLA takes (elsewhere than x86 there is no AVX cap, so FMA everywhere: -O1).
+_CANDIDATES = (_O0_NO_FMA, _O1) if platform.machine().lower() in ("x86_64", "amd64") else (_O1,)
+_FAST_COMPILE = tuple(dict.fromkeys(f for c in _CANDIDATES for f in c))  # what a run may add
 
 
 def _fast_compile_flags() -> str:
-  """XLA_FLAGS with `_FAST_COMPILE` added, or unchanged where this XLA does not take them (an
-  unknown flag aborts the process that starts a backend, so a child process tries them first)."""
-  flags = " ".join([os.environ.get("XLA_FLAGS", ""), *_FAST_COMPILE]).strip()
-  probe = subprocess.run([sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1.0)"],
-                         env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu"),
-                         capture_output=True, timeout=120, check=False)
-  return flags if probe.returncode == 0 else os.environ.get("XLA_FLAGS", "")
+  """XLA_FLAGS with the first of `_CANDIDATES` that this XLA takes added, or unchanged where it
+  takes none (an unknown flag aborts the process that starts a backend, so a child process
+  tries each first)."""
+  for candidate in _CANDIDATES:
+    flags = " ".join([os.environ.get("XLA_FLAGS", ""), *candidate]).strip()
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1.0)"],
+                           env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu"),
+                           capture_output=True, timeout=120, check=False)
+    if probe.returncode == 0:
+      return flags
+  return os.environ.get("XLA_FLAGS", "")
 
 
 def xla_flags(*extra: str) -> str:
@@ -85,7 +91,7 @@ def pytest_configure(config):
   start (they inherit both; no backend has started in any process yet)."""
   flags = os.environ.get("XLA_FLAGS", "")
   if (not hasattr(config, "workerinput") and os.environ.get(_FLAGS_ENV) != "default"
-      and _FAST_COMPILE[0] not in flags):  # (a run started by a test inherits the flags)
+      and _EMITTERS not in flags):  # (a run started by a test inherits the flags)
     os.environ["XLA_FLAGS"] = _fast_compile_flags()
   setting = os.environ.get(_CACHE_ENV, "")
   if setting == "off":
