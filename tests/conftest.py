@@ -104,20 +104,6 @@ def pytest_configure(config):
     config.add_cleanup(lambda: shutil.rmtree(setting, ignore_errors=True))
   _use_cache(setting)
 
-# The files that each take one worker minutes (measured per file, CI-way run: 110-235 s each),
-# longest first. Workers take whole files (--dist loadfile) in collection order, so these go
-# first: the short files then fill in beside them, instead of one worker running a long file
-# alone at the end while the other waits. The order of tests inside a file does not change.
-_LONG_FILES = ("test_invariance.py", "test_generate.py", "test_adapters.py", "test_notebook.py",
-               "test_examples.py", "test_structured.py", "test_bench.py", "test_guide.py")
-
-
-def pytest_collection_modifyitems(config, items):
-  del config
-  rank = {name: i for i, name in enumerate(_LONG_FILES)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
-
-
 # jit compiles on first use, so wall-clock deadlines would only measure the compiler.
 hypothesis.settings.register_profile("jaxdecode", deadline=None, max_examples=40,
                                      derandomize=True, print_blob=True)
