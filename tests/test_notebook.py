@@ -73,7 +73,7 @@ def _cell(nb, marker: str):
 
 
 def test_notebook_runs_without_errors(executed):
-  """Over a minute (its module fixture executes the notebook: 129-156 s in the CI-way runs on
+  """Over a minute (its module fixture executes the notebook: 129-165 s in the CI-way runs on
   2 cores): the cells claim things of the embedded model's own decoding (reproducible texts,
   speculative decoding giving plain decoding's tokens, structured outputs, an RL step with
   equal log-probs, the sweep, the bench and doctor tables), so each compiles the real programs
