@@ -45,9 +45,8 @@ against `invariant=False`, the fast, documented alternative.
 
 from __future__ import annotations
 
-import math
-
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
