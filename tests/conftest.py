@@ -44,7 +44,7 @@ def _use_cache(path: str) -> None:
 # the whole suite, 2 workers: 1,774 s with the emitters and -O1, 1,295 s with these flags; the
 # emitters alone took test_decoding's fast tests from 75 to 56 s of CPU.
 # Why AVX: at -O0 XLA:CPU still writes fused multiply-adds where its own math functions use them
-# (the polynomial of `exp`, `log`, `tanh`: vfmadd in the object code of a -O0 program), but it
+# (vfmadd in the `exp` and `log` kernels of a -O0 program's object code), but it
 # contracts no plain multiply and add (`jit(a * b + c)` with a = b = 1 + 2**-12,
 # c = -(1 + 2**-11): 0 at -O0, 2**-24 at -O1, -O2 and the defaults, which contract). So two
 # programs that compute the same arithmetic in different kernels (a decode step and the full
@@ -71,7 +71,7 @@ def _fast_compile_flags() -> str:
   takes none (an unknown flag aborts the process that starts a backend, so a child process
   tries each first)."""
   for candidate in _CANDIDATES:
-    flags = " ".join([os.environ.get("XLA_FLAGS", ""), *candidate]).strip()
+    flags = xla_flags(*candidate)
     probe = subprocess.run([sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1.0)"],
                            env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu"),
                            capture_output=True, timeout=120, check=False)
