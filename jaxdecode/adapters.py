@@ -25,9 +25,11 @@ at its own position. So the state keeps, per row, the position each cache slot h
 ones (rejected drafts), (2) moves the shared write index back to just after the last slot any
 row still holds, (3) when the call's tokens would not fit, compacts each row's held slots to the
 front (in order, so attention sees the same keys in the same order), then (4) writes the call's
-tokens with their own position ids and a mask of the held slots. Under `batch_invariant`, where
-every sum is an in-order chain, masked slots are exact zeros wherever they sit, so a row's bits
-do not depend on where the other rows put its slots.
+tokens with their own position ids and a mask of the held slots. A prefill lays a batch's
+prompts out right-padded (row b's positions in slots 0..len-1) or, with `padding="left"`, as
+transformers' own `generate` does (every prompt ends at the same slot). Under
+`batch_invariant`, where every sum is an in-order chain, masked slots are exact zeros wherever
+they sit, so a row's bits do not depend on where the padding or the other rows put its slots.
 """
 
 from __future__ import annotations
@@ -244,10 +246,11 @@ def tokenizer(hf, vocab_size: int | None = None, eos_ids=None) -> Tokenizer:
 # transformers' Flax causal LMs.
 
 _FUNCTIONS: dict = {}  # one set of jitted functions per model program (shared_index_functions)
+PADDINGS = ("right", "left")  # where a short prompt sits in a shared-index cache
 
 
 def transformers(model, params=None, tokenizer=None, *, eos_ids=None, pad_id=None,
-                 batch_invariant: bool = False) -> Adapter:
+                 batch_invariant: bool = False, padding: str = "right") -> Adapter:
   """An `Adapter` for a transformers Flax causal LM (`FlaxPreTrainedModel` with `init_cache`).
 
   Args:
@@ -262,6 +265,10 @@ def transformers(model, params=None, tokenizer=None, *, eos_ids=None, pad_id=Non
     pad_id: the id after a row's end (default: the tokenizer's pad, else an EOS id, else 0).
     batch_invariant: run the model's prefill and step under `jaxdecode.batch_invariant`, so a
       row's tokens and log-probabilities are bitwise the same alone or in any batch.
+    padding: where a prompt shorter than the batch's longest sits in the cache: "right" (slot p
+      holds position p; the gap lies between the prompt and the new tokens) or "left" (every
+      prompt ends at the same slot, as transformers' own `generate` pads a batch). The
+      adapter's functions take right-padded prompts either way.
 
   Returns:
     An `Adapter`. Its state is `{"cache", "slots", "params"}` (see this module's docstring).
@@ -283,6 +290,7 @@ def transformers(model, params=None, tokenizer=None, *, eos_ids=None, pad_id=Non
     except ValueError:
       raise ValueError(f"{name} was built without weights (_do_init=False): give params=")
   batch_invariant = _checks.boolean("batch_invariant", batch_invariant)
+  padding = _checks.one_of("padding", padding, PADDINGS)
   model_vocab = int(model.config.vocab_size)
   vocab = model_vocab
   if tokenizer is not None:
@@ -302,10 +310,17 @@ def transformers(model, params=None, tokenizer=None, *, eos_ids=None, pad_id=Non
         else eos_ids[0] if eos_ids else 0)
   max_positions = (getattr(model.config, "n_positions", None)
                    or getattr(model.config, "max_position_embeddings", None))
-  fns = _hf_functions(model, vocab, batch_invariant, int(max_positions))
-  return fns.adapter(name + (" (batch_invariant)" if batch_invariant else ""), params,
+  fns = _hf_functions(model, vocab, batch_invariant, int(max_positions), padding)
+  return fns.adapter(name + adapter_options(batch_invariant, padding), params,
                      vocab_size=vocab, max_positions=max_positions, eos_ids=eos_ids,
                      pad_id=pad_id, tokenizer=tokenizer)
+
+
+def adapter_options(invariant: bool, padding: str) -> str:
+  """The options an adapter's name shows: " (batch_invariant, left padding)"."""
+  shown = (["batch_invariant"] if invariant else []) + (
+      [f"{padding} padding"] if padding != "right" else [])
+  return f" ({', '.join(shown)})" if shown else ""
 
 
 def _eos_ids(name, eos_ids, tokenizer, config) -> tuple:
@@ -341,8 +356,8 @@ class SharedIndexFunctions:
         prompt_logprobs=functools.partial(self.prompt_logprobs, params), **fields)
 
 
-def _hf_functions(model, vocab: int, invariant: bool,
-                  max_positions: int) -> SharedIndexFunctions:
+def _hf_functions(model, vocab: int, invariant: bool, max_positions: int,
+                  padding: str) -> SharedIndexFunctions:
   """The jitted prefill, step and logits of a transformers model, built once per model."""
 
   def run(params, cache, tokens, positions, slots):
@@ -357,12 +372,14 @@ def _hf_functions(model, vocab: int, invariant: bool,
     del params  # transformers' caches depend on the config alone
     return model.init_cache(batch, cache_length)
 
-  return shared_index_functions((model, vocab, invariant), run, init_cache, invariant=invariant,
-                                vocab=vocab, max_positions=max_positions)
+  return shared_index_functions((model, vocab, invariant, padding), run, init_cache,
+                                invariant=invariant, vocab=vocab, max_positions=max_positions,
+                                padding=padding)
 
 
 def shared_index_functions(key, run: Callable, init_cache: Callable, *, invariant: bool,
-                           vocab: int, max_positions: int) -> SharedIndexFunctions:
+                           vocab: int, max_positions: int,
+                           padding: str = "right") -> SharedIndexFunctions:
   """The prefill, step, logits and prompt log-probabilities of a model whose KV cache writes
   every row of a call at one shared index (this module's docstring), built once per `key`.
 
@@ -377,19 +394,30 @@ def shared_index_functions(key, run: Callable, init_cache: Callable, *, invarian
       1 (transformers' `cache_index`, flax's examples/gemma `end_index [B]`).
     invariant, vocab, max_positions: run `run` under `jaxdecode.batch_invariant`; V, the
       logits' width; the model's context.
+    padding: "right" (row b's prompt in slots 0..len-1) or "left" (in slots T-len..T-1 of a
+      T-wide prefill, as transformers' `generate` lays out a batch). The functions take and
+      return right-padded prompts and logits either way.
   """
   if key in _FUNCTIONS:
     return _FUNCTIONS[key]
   run = _batch_invariant(run) if invariant else run
+  left = _checks.one_of("padding", padding, PADDINGS) == "left"
 
   def forward(params, tokens, lengths, cache_length):
     batch, width = tokens.shape
     shapes = jax.eval_shape(functools.partial(init_cache, params, batch, cache_length))
     cache = lax.optimization_barrier(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
-    slots = jnp.arange(cache_length, dtype=jnp.int32)[None, :]
-    slots = jnp.where(slots < lengths[:, None], slots, -1)  # [B, S]: row b holds 0..len-1
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    logits, cache = run(params, cache, tokens, positions, slots)
+    columns = jnp.arange(width, dtype=jnp.int32)[None, :]
+    shift = (width - lengths)[:, None] if left else jnp.zeros_like(lengths)[:, None]
+    positions = columns - shift  # [B, T]: the position of each column's token (< 0: padding)
+    if left:  # column c of row b holds its token c - shift (padding columns: its first token)
+      tokens = jnp.take_along_axis(tokens, jnp.maximum(positions, 0), axis=1)
+    slots = jnp.arange(cache_length, dtype=jnp.int32)[None, :] - shift
+    slots = jnp.where((slots >= 0) & (slots < lengths[:, None]), slots, -1)  # [B, S]
+    logits, cache = run(params, cache, tokens, jnp.maximum(positions, 0), slots)
+    if left:  # back to the right-padded layout: token p's logits in column p
+      logits = jnp.take_along_axis(logits, jnp.minimum(columns + shift, width - 1)[..., None],
+                                   axis=1)
     return logits, {"cache": cache, "slots": slots, "params": params}
 
   @functools.partial(jax.jit, static_argnames="cache_length")

@@ -43,14 +43,14 @@ def hf_tokenizer():
 
 
 def _adapter(family, hf_tokenizer, *, invariant=False, dtype=jnp.float32, seed=0, extra=0,
-             layers=2):
+             layers=2, padding="right"):
   """(adapter, model, params): a tiny model whose vocabulary is the tokenizer's (+ `extra`
   padded ids that the tokenizer has no token for)."""
   eos = hf_tokenizer.eos_token_id
   model, params = hf_models.model(family, len(hf_tokenizer) + extra, POSITIONS, eos,
                                   dtype=dtype, seed=seed, layers=layers)
-  return (adapters.transformers(model, params, hf_tokenizer, batch_invariant=invariant),
-          model, params)
+  return (adapters.transformers(model, params, hf_tokenizer, batch_invariant=invariant,
+                                padding=padding), model, params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,6 +87,9 @@ def test_bad_input_is_refused_with_the_argument_named_before_compiling(hf_tokeni
   bare, bare_params = hf_models.model("gpt2", len(no_eos), POSITIONS, None)
   with pytest.raises(ValueError, match="no EOS id.*give eos_ids="):
     adapters.transformers(bare, bare_params, no_eos)
+  for padding in ("middle", None, ["left"]):
+    with pytest.raises(ValueError, match=r"padding must be one of \['right', 'left'\]; got"):
+      adapters.transformers(model, params, hf_tokenizer, padding=padding)
   adapter = adapters.transformers(model, params, hf_tokenizer)
   with pytest.raises(ValueError, match=r"cache_length must hold the prompts .* 9 <= "
                                        r"cache_length=8 <= 64 is false"):
@@ -162,23 +165,62 @@ def _until_eos(tokens, eos):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", hf_models.FAMILIES)
 def test_greedy_generate_equals_the_familys_own_greedy_generate(family, hf_tokenizer):
-  """`models.generate` at temperature 0 through the adapter (a right-padded batch) gives the
-  tokens of `model.generate(do_sample=False)` on each prompt alone."""
-  adapter, model, params = _adapter(family, hf_tokenizer)
+  """`models.generate` at temperature 0 through the adapter (a batch laid out as the family's
+  own `generate` lays it out: left-padded) gives the tokens of `model.generate(do_sample=False)`
+  on each prompt alone, and on the same left-padded batch."""
+  adapter, model, params = _adapter(family, hf_tokenizer, padding="left")
   eos = hf_tokenizer.eos_token_id
   out = jaxdecode.models.generate(PROMPTS, model=adapter, max_new_tokens=NEW,
                                   params=jaxdecode.SamplingParams(temperature=0.0))
+  ids = [hf_tokenizer.encode(prompt) for prompt in PROMPTS]
+  tokens, lengths = jaxdecode.left_pad(ids, pad_id=eos, buckets=None)
+  mask = np.arange(tokens.shape[1])[None, :] >= tokens.shape[1] - np.asarray(lengths)[:, None]
+  batch = model.generate(tokens, attention_mask=jnp.asarray(mask, jnp.int32), params=params, max_new_tokens=NEW,
+                         do_sample=False, pad_token_id=eos, eos_token_id=eos).sequences
   for row, prompt in enumerate(PROMPTS):
-    expected = _until_eos(_own_greedy(model, params, hf_tokenizer.encode(prompt), eos), eos)
+    expected = _until_eos(_own_greedy(model, params, ids[row], eos), eos)
     assert out.tokens[row, :out.lengths[row]].tolist() == expected, prompt
+    assert _until_eos(np.asarray(batch[row, tokens.shape[1]:]), eos) == expected, prompt
     assert out.texts[row] == hf_tokenizer.decode([t for t in expected if t != eos])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", hf_models.FAMILIES)
-def test_needle_bitwise_alone_and_in_batches_of_2_and_7_under_batch_invariant(family,
-                                                                             hf_tokenizer):
-  check_needle(_adapter(family, hf_tokenizer, invariant=True)[0], hf_models.TEXTS, NEW)
+@pytest.mark.parametrize("family, padding", [("gpt2", "right"), ("gpt2", "left"),
+                                             ("llama", "left"), ("gemma", "left")])
+def test_needle_bitwise_alone_and_in_batches_of_2_and_7_under_batch_invariant(
+    family, padding, hf_tokenizer):
+  """Left padding (transformers' own layout) puts the needle's prompt, in a batch, at later
+  cache slots than alone; right padding puts a gap between its prompt and its new tokens."""
+  check_needle(_adapter(family, hf_tokenizer, invariant=True, padding=padding)[0],
+               hf_models.TEXTS, NEW)
+
+
+@pytest.mark.slow
+def test_left_padding_moves_a_prompt_to_later_slots_and_keeps_its_bits(hf_tokenizer):
+  """The prefill of a left-padded batch: row b holds its positions 0..len-1 in the slots that
+  end at the prompts' width (hand-built map), and under batch_invariant its last logits and its
+  prompt's log-probabilities are bitwise those of the right-padded layout and of the row alone
+  (exact zeros ahead of a row's terms leave its in-order sums as they are)."""
+  ids = [hf_tokenizer.encode(p) for p in ["the quick brown", "x", "hello world"]]
+  tokens, lengths = jaxdecode.right_pad(ids, pad_id=0, buckets=None)
+  width = tokens.shape[1]
+  runs = {}
+  for padding in ("right", "left"):
+    adapter = _adapter("llama", hf_tokenizer, invariant=True, padding=padding)[0]
+    logits, state, positions, logprobs = adapter.prompt_logprobs(tokens, lengths, width + 2)
+    np.testing.assert_array_equal(positions, lengths)
+    runs[padding] = logits, logprobs, np.asarray(state["slots"])
+  for row, n in enumerate(np.asarray(lengths)):
+    held = list(range(n)) + [-1] * (width + 2 - n)
+    assert runs["right"][2][row].tolist() == held
+    assert runs["left"][2][row].tolist() == [-1] * (width - n) + held[:n + 2]
+  live = np.arange(width - 1)[None, :] < (np.asarray(lengths) - 1)[:, None]
+  np.testing.assert_array_equal(_bits(runs["left"][0]), _bits(runs["right"][0]))
+  np.testing.assert_array_equal(_bits(np.where(live, runs["left"][1], 0)),
+                                _bits(np.where(live, runs["right"][1], 0)))
+  short, short_length = jaxdecode.right_pad(ids[1:2], pad_id=0, buckets=None)
+  alone = adapter.prefill(short, short_length, short.shape[1] + 2)[0]
+  np.testing.assert_array_equal(_bits(alone[0]), _bits(runs["left"][0][1]))
 
 
 @pytest.mark.slow
@@ -212,12 +254,14 @@ def _without_layer(tree, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_speculative_with_a_draft_of_the_same_family_gives_decodes_bits(family, hf_tokenizer):
+@pytest.mark.parametrize("family, padding", [("gpt2", "right"), ("llama", "left")])
+def test_speculative_with_a_draft_of_the_same_family_gives_decodes_bits(family, padding,
+                                                                         hf_tokenizer):
   """A one-layer draft of the same family (the model's first layer): the same tokens and log-probs as
   without a draft (bitwise, under batch_invariant, where K-token calls are K single steps),
-  with rows accepting different numbers of drafts (the per-row slot map at work) and n = 2."""
-  adapter, _, params = _adapter(family, hf_tokenizer, invariant=True)
+  with rows accepting different numbers of drafts (the per-row slot map at work) and n = 2;
+  the model's prompts right- or left-padded, the draft's right-padded."""
+  adapter, _, params = _adapter(family, hf_tokenizer, invariant=True, padding=padding)
   small, _ = hf_models.model(family, len(hf_tokenizer), POSITIONS, hf_tokenizer.eos_token_id,
                              layers=1)
   # Layer skipping: the draft is the model without its last layer (its own weights otherwise).
@@ -319,9 +363,11 @@ def test_the_command_takes_a_local_transformers_checkpoint(hf_tokenizer, tmp_pat
 @pytest.mark.slow
 def test_score_with_the_adapters_logits_fn_gives_the_loops_log_probs(hf_tokenizer):
   """`jaxdecode.score(adapter.logits_fn, ...)` over prompt + sampled tokens (one forward pass,
-  right-padded) gives `decode`'s processed log-probabilities bitwise, under batch_invariant
-  (where the prefill's T-wide pass and the 1-token steps compute each row's sums alike)."""
-  adapter = _adapter("gpt2", hf_tokenizer, invariant=True)[0]
+  right-padded) gives the processed log-probabilities of `decode` over a left-padded batch
+  (the family's own layout) bitwise, under batch_invariant (where the prefill's T-wide pass and
+  the 1-token steps compute each row's sums alike, wherever its slots sit)."""
+  adapter = _adapter("gpt2", hf_tokenizer, invariant=True, padding="left")[0]
+  trainer = _adapter("gpt2", hf_tokenizer, invariant=True)[0]
   ids = [hf_tokenizer.encode(p) for p in PROMPTS[:3]]
   tokens, lengths = jaxdecode.right_pad(ids, pad_id=adapter.pad_id, buckets=None)
   params = jaxdecode.SamplingParams(temperature=0.8, top_p=0.9)
@@ -329,7 +375,7 @@ def test_score_with_the_adapters_logits_fn_gives_the_loops_log_probs(hf_tokenize
   out = jaxdecode.decode(adapter.step_fn, state, logits, key=jax.random.key(7), params=params,
                          max_new_tokens=NEW, positions=positions, eos_ids=adapter.eos_ids,
                          pad_id=adapter.pad_id)
-  scores = jaxdecode.score(adapter.logits_fn, tokens, lengths, out.tokens, params=params,
+  scores = jaxdecode.score(trainer.logits_fn, tokens, lengths, out.tokens, params=params,
                            eos_ids=adapter.eos_ids, pad_id=adapter.pad_id)
   live = np.arange(NEW)[None, :] < np.asarray(out.lengths)[:, None]
   np.testing.assert_array_equal(_bits(np.where(live, scores.processed, 0)),

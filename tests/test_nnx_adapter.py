@@ -87,6 +87,8 @@ def test_bad_input_is_refused_with_the_argument_named_before_compiling(model, pl
     model_adapters.nnx(model, max_positions=CONTEXT, tokenizer=TOK, vocab_size=300)
   with pytest.raises(ValueError, match="no EOS id.*give eos_ids="):
     model_adapters.nnx(model, max_positions=CONTEXT)
+  with pytest.raises(ValueError, match=r"padding must be one of \['right', 'left'\]; got 'up'"):
+    model_adapters.nnx(model, max_positions=CONTEXT, tokenizer=TOK, padding="up")
   with pytest.raises(ValueError, match="tokenizer must be models.ByteTokenizer"):
     model_adapters.nnx(model, max_positions=CONTEXT, tokenizer="bytes", eos_ids=[1])
   with pytest.raises(ValueError, match=r"cache_length must hold the prompts .* 9 <= "
@@ -142,10 +144,14 @@ def test_greedy_generate_equals_a_greedy_loop_over_the_full_forward(forward, pla
 
 
 @pytest.mark.slow
-def test_needle_bitwise_alone_and_in_batches_of_2_and_7_and_score_gives_its_log_probs(invariant):
-  """The needle under batch_invariant; then `jaxdecode.score(adapter.logits_fn, ...)` on the
-  batch of 7 (one whole-sequence pass) gives decode's processed log-probs bitwise."""
-  tokens, lengths, params, out = check_needle(invariant, TEXTS, NEW)
+def test_needle_bitwise_alone_and_in_batches_of_2_and_7_and_score_gives_its_log_probs(model,
+                                                                                    invariant):
+  """The needle under batch_invariant, its batches left-padded (the prompt at later cache slots
+  than alone); then `jaxdecode.score(adapter.logits_fn, ...)` of the right-padded adapter on
+  the batch of 7 (one whole-sequence pass) gives decode's processed log-probs bitwise."""
+  left = model_adapters.nnx(model, max_positions=CONTEXT, tokenizer=TOK, batch_invariant=True,
+                            padding="left")
+  tokens, lengths, params, out = check_needle(left, TEXTS, NEW)
   scores = jaxdecode.score(invariant.logits_fn, tokens, lengths, out.tokens, params=params,
                            eos_ids=invariant.eos_ids, pad_id=invariant.pad_id)
   live = np.arange(NEW)[None, :] < np.asarray(out.lengths)[:, None]

@@ -83,7 +83,8 @@ _PROBE_BATCH, _PROBE_SLOTS = 2, 3  # distinct, so that a cache's batch and slot 
 
 
 def nnx(model, *, max_positions: int, eos_ids=None, pad_id=None, tokenizer=None,
-        vocab_size=None, cache_dtype=None, batch_invariant: bool = False) -> adapters.Adapter:
+        vocab_size=None, cache_dtype=None, batch_invariant: bool = False,
+        padding: str = "right") -> adapters.Adapter:
   """An `Adapter` for a Flax NNX model in the shape of flax's `examples/gemma` transformer.
 
   The model is called as `model(last_tokens int32[B, T], positions int32[B, T], cache,
@@ -110,6 +111,7 @@ def nnx(model, *, max_positions: int, eos_ids=None, pad_id=None, tokenizer=None,
     cache_dtype: the cache's dtype (default: the weights' float dtype; float32 if mixed).
     batch_invariant: run the model under `jaxdecode.batch_invariant`, so that a row's tokens
       and log-probabilities are bitwise the same alone or in any batch.
+    padding: "right" or "left": where a short prompt sits in the cache (`adapters.transformers`).
 
   Returns:
     An `Adapter` whose state is `{"cache", "slots", "params"}`, as `adapters.transformers`'.
@@ -127,6 +129,7 @@ def nnx(model, *, max_positions: int, eos_ids=None, pad_id=None, tokenizer=None,
   name = f"flax.nnx {type(model).__name__}"
   max_positions = _checks.integer("max_positions", max_positions, low=1)
   batch_invariant = _checks.boolean("batch_invariant", batch_invariant)
+  padding = _checks.one_of("padding", padding, adapters.PADDINGS)
   graphdef, weights = _inference_split(model)
   cache_dtype = _cache_dtype(weights, cache_dtype)
   init_cache = functools.partial(_init_cache, graphdef, cache_dtype)
@@ -136,10 +139,10 @@ def nnx(model, *, max_positions: int, eos_ids=None, pad_id=None, tokenizer=None,
   tokenizer = _text_tokenizer(tokenizer, vocab)
   eos_ids, pad_id = _special_ids(name, eos_ids, pad_id, tokenizer)
   fns = adapters.shared_index_functions(
-      ("nnx", graphdef, vocab, batch_invariant, max_positions, cache_dtype),
+      ("nnx", graphdef, vocab, batch_invariant, max_positions, cache_dtype, padding),
       functools.partial(_run, graphdef, vocab), init_cache, invariant=batch_invariant,
-      vocab=vocab, max_positions=max_positions)
-  return fns.adapter(name + (" (batch_invariant)" if batch_invariant else ""), weights,
+      vocab=vocab, max_positions=max_positions, padding=padding)
+  return fns.adapter(name + adapters.adapter_options(batch_invariant, padding), weights,
                      vocab_size=vocab, max_positions=max_positions, eos_ids=eos_ids,
                      pad_id=pad_id, tokenizer=tokenizer)
 
