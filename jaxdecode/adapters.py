@@ -447,6 +447,7 @@ def shared_index_functions(key, run: Callable, init_cache: Callable, *, invarian
 
   step = jax.jit(functools.partial(_shared_index_step, run))
   step.position_limit = functools.partial(_position_limit, max_positions)
+  step.whole_calls = True  # a call that does not fit is not written: see `_shared_index_step`
   fns = _FUNCTIONS[key] = SharedIndexFunctions(prefill, step, logits, prompt_logprobs)
   return fns
 
@@ -501,7 +502,8 @@ def _shared_index_step(run, state, tokens, positions):
   slots = lax.dynamic_update_slice(slots, new_positions, (jnp.int32(0), index))
   logits, cache = run(state["params"], cache, tokens, new_positions, slots)
   # A call that does not fit the cache would overwrite held slots: its logits are NaN, so the
-  # loops stop there (`position_limit` lets them refuse such a request beforehand).
+  # loops stop there (`position_limit` and `whole_calls` let them refuse such a request
+  # beforehand; one row's drafts past its last position are enough to make a call not fit).
   logits = jnp.where(fits, logits, jnp.nan)
   return (logits[:, 0] if single else logits), {**state, "cache": cache, "slots": slots}
 

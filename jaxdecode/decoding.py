@@ -110,15 +110,18 @@ def position_limit(step_fn, state) -> int | None:
                                                     low=0)
 
 
-def check_fits(step_fn, state, positions, max_new_tokens: int, caller: str) -> None:
+def check_fits(step_fn, state, positions, max_new_tokens: int, caller: str,
+               drafts: int = 0) -> None:
   """Raises ValueError, before anything runs, when the step function declares how many positions
   its state holds (`position_limit`) and some row would need more: N new tokens from position p
   feed the model positions p .. p + N - 2, so the state must hold p + N - 1 positions. (Past
   them a model has no valid logits; a row that meets logits with nothing selectable would stop
-  there, a dead end.) Traced positions are not checked."""
+  there, a dead end.) With K `drafts` per call (speculative decoding) every row's calls feed
+  its newest token and K drafts, up to position p + N - 1 + K, so the state must hold
+  p + N + K. Traced positions are not checked."""
   if _checks.is_traced(positions):
     return
-  need = np.asarray(positions, np.int64) + max_new_tokens - 1
+  need = np.asarray(positions, np.int64) + max_new_tokens - 1 + (drafts + 1 if drafts else 0)
   if need.size and need.max() > np.iinfo(np.int32).max:
     raise ValueError(f"{caller}: positions up to {int(np.max(positions))} plus "
                      f"max_new_tokens={max_new_tokens} pass int32's largest position "
@@ -130,11 +133,13 @@ def check_fits(step_fn, state, positions, max_new_tokens: int, caller: str) -> N
     return
   row = int(np.argmax(need))
   start = int(np.asarray(positions)[row])
-  raise ValueError(f"{caller}: max_new_tokens={max_new_tokens} does not fit the model state: "
-                   f"row {row} starts at position {start}, so it needs {int(need[row])} "
-                   f"positions, but the state holds {limit} (step_fn.position_limit(state)); "
-                   f"prefill with a cache of at least {int(need.max())} positions, or ask for at "
-                   f"most {max(limit - int(np.asarray(positions).max()) + 1, 0)} new tokens")
+  with_drafts = f" with num_draft_tokens={drafts}" if drafts else ""
+  most = limit - int(np.asarray(positions).max()) + 1 - (drafts + 1 if drafts else 0)
+  raise ValueError(f"{caller}: max_new_tokens={max_new_tokens}{with_drafts} does not fit the "
+                   f"model state: row {row} starts at position {start}, so it needs "
+                   f"{int(need[row])} positions, but the state holds {limit} "
+                   f"(step_fn.position_limit(state)); prefill with a cache of at least "
+                   f"{int(need.max())} positions, or ask for at most {max(most, 0)} new tokens")
 
 
 def make_spec(key, params: SamplingParams, positions, eos_ids, pad_id, logits_processors,

@@ -17,7 +17,9 @@ entries beyond the row's new position, which the next call overwrites before any
 them. A cache must hold the `prompt + max_new_tokens - 1` positions whose logits the tokens are
 drawn from (`decode`'s need; checked when the step function declares `position_limit`); the
 last rounds also write drafts up to K positions past those, which the step function must drop
-(the embedded model drops writes past its cache) or have room for.
+(the embedded model drops writes past its cache) or have room for: a step function that writes
+a call whole or not at all declares `step_fn.whole_calls = True` (the adapters over a
+shared-index cache do), and the check then asks for room for the drafts too.
 
 Drafters (pure pytrees with `propose(context, num_draft_tokens) -> (drafts int32[B, K],
 drafter)`; write your own):
@@ -308,7 +310,8 @@ def speculative_decode(step_fn: Callable, state: Any, logits: jax.Array, *, key,
   pad = _checks.token_ids("pad_id", pad_id, vocab, many=False)
   constraint = structured.check(constraint, batch, vocab, "speculative_decode", params,
                                 eos_ids=eos_ids)
-  check_fits(step_fn, state, positions, max_new_tokens, "speculative_decode")
+  check_fits(step_fn, state, positions, max_new_tokens, "speculative_decode",
+             drafts=num_draft_tokens if getattr(step_fn, "whole_calls", False) else 0)
   prompt_tokens = check_prompt_tokens(prompt_tokens, batch, "speculative_decode")
   scores = _checks.boolean("scores", scores)
   return _speculative_jit(step_fn, state, jnp.asarray(logits), key, params, positions, eos, pad,

@@ -313,6 +313,13 @@ def test_a_full_cache_is_refused_and_a_step_past_it_gives_nan_logits(hf_tokenize
   with pytest.raises(ValueError, match="max_new_tokens=4 does not fit the model state"):
     jaxdecode.decode(adapter.step_fn, state, logits, key=jax.random.key(0), max_new_tokens=4,
                      positions=positions, params=jaxdecode.SamplingParams())
+  # Two new tokens fit, but not with a draft past the last one: the call is written whole.
+  with pytest.raises(ValueError, match="max_new_tokens=2 with num_draft_tokens=1 does not fit "
+                                       "the model state.* at most 1 new tokens"):
+    jaxdecode.speculative_decode(adapter.step_fn, state, logits, key=jax.random.key(0),
+                                 max_new_tokens=2, positions=positions, num_draft_tokens=1,
+                                 drafter=jaxdecode.NgramDrafter(tokens, lengths),
+                                 params=jaxdecode.SamplingParams())
   step = positions
   for _ in range(2):  # fills the two free slots
     logits, state = adapter.step_fn(state, jnp.zeros(2, jnp.int32), step)
@@ -320,6 +327,28 @@ def test_a_full_cache_is_refused_and_a_step_past_it_gives_nan_logits(hf_tokenize
     step = step + 1
   logits, _ = adapter.step_fn(state, jnp.zeros(2, jnp.int32), step)
   assert np.isnan(np.asarray(logits)).all()
+
+
+@pytest.mark.slow
+def test_drafts_near_the_end_of_the_context_change_no_token(hf_tokenizer):
+  """A verification call writes the newest token and K drafts of every row, finished ones too,
+  and a shared-index cache writes a call whole. Near the end of a 24-position context,
+  `generate(draft=...)` drafts fewer (1 of 3, then none) and returns the tokens and log-probs
+  of decoding without a draft, bitwise (rows used to stop there as dead ends, cut short)."""
+  model, params = hf_models.model("gpt2", len(hf_tokenizer), 24, hf_tokenizer.eos_token_id)
+  adapter = adapters.transformers(model, params, hf_tokenizer, batch_invariant=True,
+                                  eos_ids=())  # every row runs to max_new_tokens
+  width = max(len(hf_tokenizer.encode(p)) for p in PROMPTS[:3])
+  for new, drafts in ((24 - width - 1, 1), (24 - width, 0)):
+    options = dict(model=adapter, max_new_tokens=new, seed=2,
+                   params=jaxdecode.SamplingParams(temperature=0.8))
+    plain = jaxdecode.models.generate(PROMPTS[:3], **options)
+    fast = jaxdecode.models.generate(PROMPTS[:3], **options, draft="ngram", num_draft_tokens=3)
+    np.testing.assert_array_equal(fast.tokens, plain.tokens)
+    np.testing.assert_array_equal(_bits(fast.logprobs), _bits(plain.logprobs))
+    assert fast.lengths.tolist() == [new] * 3 and not fast.dead_end.any()
+    assert fast.drafted.max() <= drafts * fast.calls
+    assert fast.calls == new - 1 if drafts == 0 else fast.drafted.min() > 0
 
 
 @pytest.mark.slow

@@ -147,7 +147,10 @@ def generate(prompts: Sequence[str], *, model=None,
       family): speculative decoding with `jaxdecode.speculative_decode`. The output is
       bit for bit the output without a draft, for every `params` and key; only the number of
       model calls (and the time) changes. Not with `beam_size`.
-    num_draft_tokens: with `draft`, the tokens drafted and verified per model call (1..16).
+    num_draft_tokens: with `draft`, the tokens drafted and verified per model call (1..16);
+      with an adapter whose calls are written whole (`step_fn.whole_calls`: transformers' and
+      NNX models), fewer where the context leaves no room for them past `max_new_tokens`
+      (none: one call per token), which changes no token.
     stop: a string or a list of non-empty strings: a row ends at the first occurrence of any
       of them in its new text (the earliest-ending one), its later tokens become PAD and it
       counts as finished. The cut is made on the decoded text after the loop: the model still
@@ -235,13 +238,25 @@ def generate(prompts: Sequence[str], *, model=None,
                  pad_id=batch.adapter.pad_id,
                  counts=batch.counts, constraint=batch.constraint,
                  prompt_tokens=batch.prompt_tokens)
-  if draft is None:
+  # A verification call writes K + 1 positions for every row, finished rows too. The embedded
+  # model drops what lands past its cache; a step that writes a call whole or not at all (an
+  # adapter over a shared-index cache: `whole_calls`) gets, near the model's context, only as
+  # many drafts as its cache holds past each row's last token (the tokens are the same with
+  # fewer drafts, or none).
+  drafts = 0 if draft is None else num_draft_tokens
+  if drafts and getattr(batch.adapter.step_fn, "whole_calls", False):
+    drafts = min(drafts, batch.cache_length - batch.width - max_new_tokens)
+  if drafts < 1:
     out = decode(batch.adapter.step_fn, batch.state, batch.logits, **options,
                  top_logprobs=batch.top_logprobs, logprobs_mode=batch.logprobs_mode,
                  scores=logprob_kinds, forced_tokens=forced_tokens)
+    if draft is not None:  # one call per token after the prefill's
+      rows = len(batch.ids) * batch.n
+      stats = dict(accepted=np.zeros(rows, np.int32), drafted=np.zeros(rows, np.int32),
+                   calls=max(int(np.max(out.lengths)) - 1, 0))
   else:
     out = speculative_decode(batch.adapter.step_fn, batch.state, batch.logits, **options,
-                             drafter=_drafter(draft, batch), num_draft_tokens=num_draft_tokens,
+                             drafter=_drafter(draft, batch), num_draft_tokens=drafts,
                              scores=logprob_kinds)
     stats = dict(accepted=np.asarray(out.accepted), drafted=np.asarray(out.drafted),
                  calls=int(out.calls))
@@ -283,7 +298,8 @@ class Prepared:
   tokens: jax.Array
   lengths: jax.Array
   width: int
-  room: int
+  room: int  # cache slots past the prompts' width (min(width + room, context) in all)
+  cache_length: int
   logits: jax.Array
   state: object
   key: jax.Array
@@ -407,7 +423,8 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
     state = adapter.repeat_rows(state, n)
     logits, tokens, lengths, counts, positions = extras.repeat_rows(
         (logits, tokens, lengths, counts, positions), n)
-  return Prepared(tokenizer, adapter, ids, tokens, lengths, width, room, logits, state, key,
+  return Prepared(tokenizer, adapter, ids, tokens, lengths, width, room, cache_length, logits,
+                  state, key,
                   params, counts, started, n, stop, include_stop, top_logprobs, logprobs_mode,
                   prompt_lp, constraint, positions)
 
