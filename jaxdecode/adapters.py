@@ -370,7 +370,8 @@ def _hf_functions(model, vocab: int, invariant: bool, max_positions: int,
 
   def init_cache(params, batch, cache_length):
     del params  # transformers' caches depend on the config alone
-    return model.init_cache(batch, cache_length)
+    with jax.numpy_rank_promotion("allow"):  # it runs the model once (shapes only)
+      return model.init_cache(batch, cache_length)
 
   return shared_index_functions((model, vocab, invariant, padding), run, init_cache,
                                 invariant=invariant, vocab=vocab, max_positions=max_positions,

@@ -49,9 +49,10 @@ _CLASSES = {"gpt2": "FlaxGPT2LMHeadModel", "llama": "FlaxLlamaForCausalLM",
 def model(family, vocab, positions, eos, *, dtype=jnp.float32, seed=0, layers=2):
   """(model, params): `family`'s Flax causal LM without an init pass, random weights."""
   cls = getattr(transformers, _CLASSES[family])
-  built = cls(config(family, vocab, positions, eos, seed_layers=layers), dtype=dtype,
-              _do_init=False)
-  params = random_params(built, seed)
+  with jax.numpy_rank_promotion("allow"):  # transformers' Flax code relies on it
+    built = cls(config(family, vocab, positions, eos, seed_layers=layers), dtype=dtype,
+                _do_init=False)
+    params = random_params(built, seed)
   if dtype != jnp.float32:
     params = jax.tree.map(lambda p: p.astype(dtype), params)
   return built, params

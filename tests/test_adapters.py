@@ -29,12 +29,16 @@ POSITIONS = 64
 NEW = 6
 
 
-@pytest.fixture(autouse=True)
-def _numpy_rank_promotion():
-  """transformers' own `generate` relies on NumPy's rank promotion (the adapters allow it
-  around their model calls themselves), which tests/conftest.py makes JAX refuse."""
-  with jax.numpy_rank_promotion("allow"):
-    yield
+def _allowing_rank_promotion(fn):
+  """transformers' own `generate` relies on NumPy's rank promotion, which tests/conftest.py
+  makes JAX refuse; the adapters allow it around the model's own code themselves, so
+  everything else here runs strict, as a strict user's code would."""
+
+  def run(*args, **kwargs):
+    with jax.numpy_rank_promotion("allow"):
+      return fn(*args, **kwargs)
+
+  return run
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +154,7 @@ def test_cache_bookkeeping_forgets_rejected_drafts_rewinds_and_compacts_in_order
 PROMPTS = ["hello world", "the quick brown", "x", '{"name": "ada"']
 
 
+@_allowing_rank_promotion
 def _own_greedy(model, params, ids, eos, new=NEW, **options):
   """transformers' own greedy `generate`, one prompt at a time (no padding)."""
   out = model.generate(jnp.asarray([ids]), params=params, max_new_tokens=new, do_sample=False,
@@ -175,8 +180,9 @@ def test_greedy_generate_equals_the_familys_own_greedy_generate(family, hf_token
   ids = [hf_tokenizer.encode(prompt) for prompt in PROMPTS]
   tokens, lengths = jaxdecode.left_pad(ids, pad_id=eos, buckets=None)
   mask = np.arange(tokens.shape[1])[None, :] >= tokens.shape[1] - np.asarray(lengths)[:, None]
-  batch = model.generate(tokens, attention_mask=jnp.asarray(mask, jnp.int32), params=params, max_new_tokens=NEW,
-                         do_sample=False, pad_token_id=eos, eos_token_id=eos).sequences
+  batch = _allowing_rank_promotion(model.generate)(
+      tokens, attention_mask=jnp.asarray(mask, jnp.int32), params=params, max_new_tokens=NEW,
+      do_sample=False, pad_token_id=eos, eos_token_id=eos).sequences
   for row, prompt in enumerate(PROMPTS):
     expected = _until_eos(_own_greedy(model, params, ids[row], eos), eos)
     assert out.tokens[row, :out.lengths[row]].tolist() == expected, prompt

@@ -473,3 +473,32 @@ def test_scoring_table_refuses_bad_sizes_before_compiling(kwargs):
   name = next(iter(kwargs))
   with pytest.raises(ValueError, match=name):
     bench.scoring_table(loader=loader, **kwargs)
+
+
+@pytest.mark.parametrize("argv, named", [(["--rounds", "0"], "--rounds"),
+                                         (["--batches", "1,0"], "--batches"),
+                                         (["--new", "-1"], "--new"),
+                                         (["--families", "bert"], "--families")])
+def test_families_bench_refuses_bad_arguments_before_building_a_model(argv, named, capsys):
+  from jaxdecode.tools.bench import families  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit) as stop:
+    families.main(argv)
+  assert stop.value.code == 2 and named in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_families_bench_row_on_a_tiny_gpt2():
+  """The three samplers on one tiny model: tokens/s from the medians, ratios to the family's
+  own `generate`, and the markdown row."""
+  pytest.importorskip("transformers")
+  from jaxdecode.tools.bench import families  # pylint: disable=import-outside-toplevel
+  row = families.family_rows("gpt2", 2, new=3, prompt=4, rounds=2, vocab=300, width=32,
+                             layers=1, positions=16)
+  assert (row["family"], row["batch"], row["new"], row["rounds"]) == ("gpt2", 2, 3, 2)
+  for name in ("jaxdecode", "jaxdecode batch_invariant", "transformers generate"):
+    assert _positive_finite(row[name])
+  assert row["plain / own"] == row["jaxdecode"] / row["transformers generate"]
+  assert row["invariant / own"] == row["jaxdecode batch_invariant"] / row["transformers generate"]
+  header, rule, line = families.format_rows([row]).splitlines()
+  assert header.count("|") == rule.count("|") == line.count("|") == 8
+  assert line.startswith("| gpt2 | 2 | ") and line.endswith(f"| {row['invariant / own']:.2f} |")

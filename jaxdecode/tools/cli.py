@@ -227,7 +227,8 @@ def _transformers_model(path: str):
     raise ValueError(f"--model {path} is a transformers checkpoint directory, which needs "
                      f"transformers<5 installed (pip install 'transformers<5')") from None
   try:
-    model = transformers.FlaxAutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    with jax.numpy_rank_promotion("allow"):  # transformers' Flax code relies on it
+      model = transformers.FlaxAutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
   except (OSError, ValueError, KeyError) as e:
     raise ValueError(f"--model {path}: not a transformers Flax causal LM with its tokenizer "

@@ -46,8 +46,9 @@ def family_model(family: str, *, vocab: int = 4096, width: int = 256, layers: in
         hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=width // 4, vocab_size=vocab,
         max_position_embeddings=positions)
-  model = getattr(transformers, class_name)(config, _do_init=False)
-  shapes = jax.eval_shape(functools.partial(model.init_weights, jax.random.key(0), (1, 1)))
+  with jax.numpy_rank_promotion("allow"):  # transformers' Flax code relies on it
+    model = getattr(transformers, class_name)(config, _do_init=False)
+    shapes = jax.eval_shape(functools.partial(model.init_weights, jax.random.key(0), (1, 1)))
   rng = np.random.default_rng(seed)
 
   def draw(path, leaf):
@@ -86,9 +87,10 @@ def _own_run(model, params, tokens, new: int):
 
 
 def family_rows(family: str, batch: int, *, new: int = 64, prompt: int = 16,
-                rounds: int = 5) -> dict:
-  """One row: tokens/s of each sampler on `family` at `batch` rows, medians of `rounds`."""
-  model, params = family_model(family)
+                rounds: int = 5, **model_options) -> dict:
+  """One row: tokens/s of each sampler on `family` at `batch` rows, medians of `rounds`;
+  `model_options`: `family_model`'s sizes (vocab, width, layers)."""
+  model, params = family_model(family, **model_options)
   rng = np.random.default_rng(batch)
   tokens = jnp.asarray(rng.integers(1, model.config.vocab_size, (batch, prompt)), jnp.int32)
   lengths = jnp.full((batch,), prompt, jnp.int32)
@@ -138,10 +140,16 @@ def main(argv=None) -> None:
   families = [f for f in args.families.split(",") if f]
   for family in families:
     if family not in FAMILIES:
-      raise SystemExit(f"--families: {family!r} is not one of {', '.join(FAMILIES)}")
+      parser.error(f"--families: {family!r} is not one of {', '.join(FAMILIES)}")
+  batches = [b.strip() for b in args.batches.split(",") if b.strip()]
+  if not batches or not all(b.isdigit() and int(b) >= 1 for b in batches):
+    parser.error(f"--batches must be integers >= 1 separated by commas; got {args.batches!r}")
+  for name in ("new", "rounds"):
+    if getattr(args, name) < 1:
+      parser.error(f"--{name} must be >= 1; got {getattr(args, name)}")
   rows = []
   for family in families:
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in map(int, batches):
       rows.append(family_rows(family, batch, new=args.new, rounds=args.rounds))
       print(format_rows(rows[-1:]).splitlines()[-1], flush=True)
   print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}\n" + format_rows(rows))
