@@ -7,6 +7,9 @@ the whole sequence (greedy, beams through tests/reference.py's beam search, step
 for the needle test (bitwise, by `batch_invariant`'s construction).
 """
 
+import json
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -205,3 +208,21 @@ def test_bf16_weights_keep_a_bf16_cache_and_a_step_past_a_full_cache_gives_nan()
     positions = positions + 1
   logits, _ = adapter.step_fn(state, jnp.zeros(2, jnp.int32), positions)
   assert np.isnan(np.asarray(logits, np.float32)).all()
+
+
+@pytest.mark.slow
+def test_json_schema_and_a_regex_through_the_byte_tokenizer(plain):
+  """Structured output through the adapter (the tokenizer's `vocabulary()`): every row's text
+  parses and matches its schema, or its regex, under sampling."""
+  schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+            "additionalProperties": False}
+  out = jaxdecode.models.generate(PROMPTS[:2], model=plain, max_new_tokens=16,
+                                  json_schema=schema, n=2, seed=4,
+                                  params=jaxdecode.SamplingParams(temperature=1.5))
+  assert out.finished.all(), out.texts
+  for text in out.texts:
+    assert set(json.loads(text)) == {"ok"} and isinstance(json.loads(text)["ok"], bool)
+  dates = jaxdecode.models.generate(PROMPTS, model=plain, max_new_tokens=12, seed=5,
+                                    regex=r"20[0-9]{2}-[01][0-9]")
+  assert dates.finished.all() and all(re.fullmatch(r"20[0-9]{2}-[01][0-9]", t)
+                                      for t in dates.texts), dates.texts
