@@ -396,6 +396,29 @@ def test_the_command_takes_a_local_transformers_checkpoint(hf_tokenizer, tmp_pat
 
 
 @pytest.mark.slow
+def test_the_audit_command_takes_a_local_transformers_checkpoint(hf_tokenizer, tmp_path,
+                                                                  capsys):
+  """`jaxdecode audit --model DIR`: the family's adapter, left-padded, in both numerics modes;
+  the batch-invariant one diverges in no mix."""
+  from jaxdecode.tools import cli  # pylint: disable=import-outside-toplevel
+  model, params = hf_models.model("gpt2", len(hf_tokenizer), 256, hf_tokenizer.eos_token_id,
+                                  layers=1)
+  model.save_pretrained(tmp_path, params=params)
+  hf_tokenizer.save_pretrained(tmp_path)
+  code = cli.main(["audit", "--model", str(tmp_path), "--mixes", "2", "--steps", "3",
+                   "--max-batch", "3"])
+  out = capsys.readouterr().out
+  assert code == 0, out
+  lines = out.splitlines()
+  assert next(l for l in lines if l.startswith("batch-invariant ")).split() == [
+      "batch-invariant", "2", "0", "0", "0"]
+  assert any(line.startswith("plain XLA ") for line in lines)
+  code = cli.main(["audit", "--model", str(tmp_path), "--steps", "250"])
+  err = capsys.readouterr().err
+  assert code == 2 and "--steps 250 does not fit" in err and "context of 256" in err, err
+
+
+@pytest.mark.slow
 def test_score_with_the_adapters_logits_fn_gives_the_loops_log_probs(hf_tokenizer):
   """`jaxdecode.score(adapter.logits_fn, ...)` over prompt + sampled tokens (one forward pass,
   right-padded) gives the processed log-probabilities of `decode` over a left-padded batch

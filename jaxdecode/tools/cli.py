@@ -180,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--max-len", type=positive_int, default=512)
   a = sub.add_parser("audit", help="is a prompt's output the same alone and in any batch? "
                                    "(both numerics modes, bit for bit)")
-  a.add_argument("--model", default=None, help="a checkpoint (default: the embedded model)")
+  a.add_argument("--model", default=None,
+                 help="a checkpoint, or a local transformers Flax checkpoint directory (audited "
+                      "left-padded; default: the embedded model)")
   a.add_argument("--mixes", type=positive_int, default=20, help="random batches per mode")
   a.add_argument("--steps", type=positive_int, default=48, help="greedy steps per run")
   a.add_argument("--max-batch", type=positive_int, default=16,
@@ -213,14 +215,19 @@ def _train(args) -> None:
 def _load_model(path):
   if path is None:
     return models.load_default()[0]
-  if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+  if _is_transformers_dir(path):
     return _transformers_model(path)
   return models.load_checkpoint(path)[0]
 
 
-def _transformers_model(path: str):
+def _is_transformers_dir(path) -> bool:
+  return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def _transformers_model(path: str, **options):
   """A `jaxdecode.adapters` adapter of a local transformers Flax checkpoint directory (the
-  model by `FlaxAutoModelForCausalLM`, its tokenizer by `AutoTokenizer`; nothing downloaded)."""
+  model by `FlaxAutoModelForCausalLM`, its tokenizer by `AutoTokenizer`; nothing downloaded);
+  `options`: `adapters.transformers`' (batch_invariant, padding)."""
   try:
     import transformers  # pylint: disable=import-outside-toplevel
   except ImportError:
@@ -233,7 +240,7 @@ def _transformers_model(path: str):
   except (OSError, ValueError, KeyError) as e:
     raise ValueError(f"--model {path}: not a transformers Flax causal LM with its tokenizer "
                      f"({' '.join(str(e).split())[:300]})") from None
-  return adapters.transformers(model, model.params, tokenizer)
+  return adapters.transformers(model, model.params, tokenizer, **options)
 
 
 def _vocab_size(model) -> int:
@@ -534,23 +541,33 @@ def audit_prompts(count: int, seed: int) -> list:
   return prompts
 
 
+def _audit_subject(path, invariant: bool, steps: int):
+  """`(prefill, step_fn, context, encode)` of the model `--model` names, in one numerics mode:
+  the embedded model or a `jaxdecode train` checkpoint (right-padded, bucketed widths), or a
+  transformers checkpoint directory (its adapter, left-padded as transformers' own `generate`
+  pads a batch). `encode` turns an audit prompt (BOS + bytes) into the model's token ids."""
+  if path is not None and _is_transformers_dir(path):
+    adapter = _transformers_model(path, batch_invariant=invariant, padding="left")
+    encode = lambda p: adapter.tokenizer.encode(bytes(p[1:]).decode("utf-8", "replace"))
+    return adapter.batch_prefill(steps), adapter.step_fn, adapter.max_positions, encode
+  model = (models.load_default(batch_invariant=invariant) if path is None else
+           models.load_checkpoint(path, batch_invariant=invariant))[0]
+  return (models.batch_prefill(model, extra=steps), models.make_step_fn(nnx.graphdef(model)),
+          model.config.max_len, list)
+
+
 def _audit(args) -> None:
   if args.max_batch < 2:
     raise ValueError(f"--max-batch must be at least 2 (a needle and a partner); got "
                      f"{args.max_batch}")
-  if args.model is not None:
+  if args.model is not None and not _is_transformers_dir(args.model):
     _files.read_input(args.model, "checkpoint")
-  prompts = audit_prompts(max(8, args.max_batch), args.seed)
-  width = bucket_length(max(len(p) for p in prompts))  # the widest batch, padded
-
-  def load(invariant: bool):
-    if args.model is None:
-      return models.load_default(batch_invariant=invariant)[0]
-    return models.load_checkpoint(args.model, batch_invariant=invariant)[0]
-
   # Everything that can be refused is checked before the header, so that an error is one line.
-  first = load(True)
-  context = first.config.max_len
+  first = _audit_subject(args.model, True, args.steps)
+  _, _, context, encode = first
+  prompts = [encode(p) for p in audit_prompts(max(8, args.max_batch), args.seed)]
+  width = max(len(p) for p in prompts)  # the widest batch, padded (bucketed: embedded)
+  width = width if encode is not list else bucket_length(width)
   if width + args.steps > context:
     hint = (f"use --steps {context - width} or fewer" if context > width else
             "use a model with a longer context")
@@ -560,11 +577,10 @@ def _audit(args) -> None:
         f"random slots and partners), {args.steps} greedy steps, on {jax.default_backend()}")
   summary = []
   for invariant in (True, False):
-    model = first if invariant else load(False)
-    step_fn = models.make_step_fn(nnx.graphdef(model))
-    report = invariance_audit(models.batch_prefill(model, extra=args.steps), step_fn, prompts,
-                              steps=args.steps, mixes=args.mixes, max_batch=args.max_batch,
-                              seed=args.seed)
+    prefill, step_fn, _, _ = first if invariant else _audit_subject(args.model, False,
+                                                                     args.steps)
+    report = invariance_audit(prefill, step_fn, prompts, steps=args.steps, mixes=args.mixes,
+                              max_batch=args.max_batch, seed=args.seed)
     name = "batch-invariant" if invariant else "plain XLA"
     if args.verbose:
       print(report.format_table(f"--- {name}"))
