@@ -121,7 +121,8 @@ def check_fits(step_fn, state, positions, max_new_tokens: int, caller: str,
   p + N + K. Traced positions are not checked."""
   if _checks.is_traced(positions):
     return
-  need = np.asarray(positions, np.int64) + max_new_tokens - 1 + (drafts + 1 if drafts else 0)
+  past = drafts + 1 if drafts else 0  # positions fed past the last one decode needs
+  need = np.asarray(positions, np.int64) + max_new_tokens - 1 + past
   if need.size and need.max() > np.iinfo(np.int32).max:
     raise ValueError(f"{caller}: positions up to {int(np.max(positions))} plus "
                      f"max_new_tokens={max_new_tokens} pass int32's largest position "
@@ -134,7 +135,7 @@ def check_fits(step_fn, state, positions, max_new_tokens: int, caller: str,
   row = int(np.argmax(need))
   start = int(np.asarray(positions)[row])
   with_drafts = f" with num_draft_tokens={drafts}" if drafts else ""
-  most = limit - int(np.asarray(positions).max()) + 1 - (drafts + 1 if drafts else 0)
+  most = limit - int(np.asarray(positions).max()) + 1 - past
   raise ValueError(f"{caller}: max_new_tokens={max_new_tokens}{with_drafts} does not fit the "
                    f"model state: row {row} starts at position {start}, so it needs "
                    f"{int(need[row])} positions, but the state holds {limit} "

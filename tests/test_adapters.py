@@ -410,7 +410,7 @@ def test_the_audit_command_takes_a_local_transformers_checkpoint(hf_tokenizer, t
   out = capsys.readouterr().out
   assert code == 0, out
   lines = out.splitlines()
-  assert next(l for l in lines if l.startswith("batch-invariant ")).split() == [
+  assert next(line for line in lines if line.startswith("batch-invariant ")).split() == [
       "batch-invariant", "2", "0", "0", "0"]
   assert any(line.startswith("plain XLA ") for line in lines)
   code = cli.main(["audit", "--model", str(tmp_path), "--steps", "250"])

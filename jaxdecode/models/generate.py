@@ -424,9 +424,8 @@ def prepare(prompts, *, model, params, seed, key, max_new_tokens, tokenizer, pen
     logits, tokens, lengths, counts, positions = extras.repeat_rows(
         (logits, tokens, lengths, counts, positions), n)
   return Prepared(tokenizer, adapter, ids, tokens, lengths, width, room, cache_length, logits,
-                  state, key,
-                  params, counts, started, n, stop, include_stop, top_logprobs, logprobs_mode,
-                  prompt_lp, constraint, positions)
+                  state, key, params, counts, started, n, stop, include_stop, top_logprobs,
+                  logprobs_mode, prompt_lp, constraint, positions)
 
 
 _STOP_WITH_CONSTRAINT = (
