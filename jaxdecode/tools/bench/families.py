@@ -6,8 +6,9 @@ Random-weight models of the real architectures (nothing is downloaded), a few mi
 parameters; every program is compiled before timing; the three samplers run alternately, round
 after round, and each figure is the median of the rounds (`block_until_ready` on the tokens).
 `gemma`'s own `Sampler` is not benched: jaxdecode has no adapter for the `gemma` library
-(its 3.3 release pulls in tensorflow, kauldron and some 200 packages; see the README's "Bring
-your model"); Gemma's architecture is benched through transformers' `FlaxGemmaForCausalLM`.
+(its 3.3 release installs here, with tensorflow among 124 more packages, but neither its models
+nor its sampler import; see the README's "Bring your model"); Gemma's architecture is benched
+through transformers' `FlaxGemmaForCausalLM`.
 
 Run: `python -m jaxdecode.tools.bench.families [--rounds R] [--new N] [--families gpt2,llama]`.
 """
