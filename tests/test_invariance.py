@@ -107,15 +107,14 @@ def test_needle_alone_equals_the_needle_in_random_batches_bit_for_bit(small):
 
 @pytest.mark.slow
 def test_the_plain_numerics_differ_in_some_mix_so_the_needle_test_can_fail():
-  """Negative control: the same needle test with `batch_invariant=False` must see a difference."""
+  """Negative control: the same needle test with `batch_invariant=False` must see a difference
+  (it stops at the first mix that shows one: each further mix is a decode to compile)."""
   plain = Transformer(dataclasses.replace(SMALL, batch_invariant=False), rngs=nnx.Rngs(3))
   graphdef, weights = nnx.split(plain)
   step_fn = make_step_fn(graphdef)
-  differs = 0
-  for _, alone, together in needle_mixes(graphdef, weights, step_fn, batches=NEEDLE_BATCHES,
-                                         seed=0):
-    differs += not all(np.array_equal(a, b) for a, b in zip(alone, together))
-  assert differs > 0
+  mixes = needle_mixes(graphdef, weights, step_fn, batches=NEEDLE_BATCHES, seed=0)
+  assert any(not all(np.array_equal(a, b) for a, b in zip(alone, together))
+             for _, alone, together in mixes)
 
 
 @pytest.mark.slow  # the fast loop keeps test_models' K = 4 and 2 against single steps
