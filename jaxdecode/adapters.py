@@ -373,9 +373,8 @@ def _hf_functions(model, vocab: int, invariant: bool, max_positions: int,
     with jax.numpy_rank_promotion("allow"):  # it runs the model once (shapes only)
       return model.init_cache(batch, cache_length)
 
-  return shared_index_functions((model, vocab, invariant, padding), run, init_cache,
-                                invariant=invariant, vocab=vocab, max_positions=max_positions,
-                                padding=padding)
+  return shared_index_functions((model, vocab), run, init_cache, invariant=invariant,
+                                vocab=vocab, max_positions=max_positions, padding=padding)
 
 
 def shared_index_functions(key, run: Callable, init_cache: Callable, *, invariant: bool,
@@ -385,7 +384,8 @@ def shared_index_functions(key, run: Callable, init_cache: Callable, *, invarian
   every row of a call at one shared index (this module's docstring), built once per `key`.
 
   Args:
-    key: what identifies the model's program (structure, vocabulary, options), hashable.
+    key: what identifies the model's program (structure, vocabulary), hashable; `invariant`
+      and `padding` are added to it here.
     run: `run(params, cache, tokens int32[B, T], positions int32[B, T], slots int32[B, S]) ->
       (logits [B, T, V], cache)`: the model writes the call's tokens at the cache's shared
       index; `slots[b, s]` is the position slot s holds for row b after the write (-1: none),
@@ -399,10 +399,11 @@ def shared_index_functions(key, run: Callable, init_cache: Callable, *, invarian
       T-wide prefill, as transformers' `generate` lays out a batch). The functions take and
       return right-padded prompts and logits either way.
   """
+  left = _checks.one_of("padding", padding, PADDINGS) == "left"
+  key = (key, invariant, padding)  # the options are part of the program
   if key in _FUNCTIONS:
     return _FUNCTIONS[key]
   run = _batch_invariant(run) if invariant else run
-  left = _checks.one_of("padding", padding, PADDINGS) == "left"
 
   def forward(params, tokens, lengths, cache_length):
     batch, width = tokens.shape

@@ -139,7 +139,7 @@ def nnx(model, *, max_positions: int, eos_ids=None, pad_id=None, tokenizer=None,
   tokenizer = _text_tokenizer(tokenizer, vocab)
   eos_ids, pad_id = _special_ids(name, eos_ids, pad_id, tokenizer)
   fns = adapters.shared_index_functions(
-      ("nnx", graphdef, vocab, batch_invariant, max_positions, cache_dtype, padding),
+      ("nnx", graphdef, vocab, max_positions, cache_dtype),
       functools.partial(_run, graphdef, vocab), init_cache, invariant=batch_invariant,
       vocab=vocab, max_positions=max_positions, padding=padding)
   return fns.adapter(name + adapters.adapter_options(batch_invariant, padding), weights,

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -541,19 +542,29 @@ def audit_prompts(count: int, seed: int) -> list:
   return prompts
 
 
-def _audit_subject(path, invariant: bool, steps: int):
-  """`(prefill, step_fn, context, encode)` of the model `--model` names, in one numerics mode:
-  the embedded model or a `jaxdecode train` checkpoint (right-padded, bucketed widths), or a
+class _AuditSubject(NamedTuple):
+  """The model `jaxdecode audit --model` names, in one numerics mode."""
+  prefill: Callable  # `jaxdecode.audit`'s prefill of token lists
+  step_fn: Callable
+  context: int  # positions the model holds
+  encode: Callable  # an audit prompt (BOS + bytes) -> the model's token ids
+  padded: Callable  # the widest prompt's length -> the width its batch is padded to
+
+
+def _audit_subject(path, invariant: bool, steps: int) -> _AuditSubject:
+  """The embedded model or a `jaxdecode train` checkpoint (right-padded, bucketed widths), or a
   transformers checkpoint directory (its adapter, left-padded as transformers' own `generate`
-  pads a batch). `encode` turns an audit prompt (BOS + bytes) into the model's token ids."""
+  pads a batch, exact widths)."""
   if path is not None and _is_transformers_dir(path):
     adapter = _transformers_model(path, batch_invariant=invariant, padding="left")
     encode = lambda p: adapter.tokenizer.encode(bytes(p[1:]).decode("utf-8", "replace"))
-    return adapter.batch_prefill(steps), adapter.step_fn, adapter.max_positions, encode
+    return _AuditSubject(adapter.batch_prefill(steps), adapter.step_fn, adapter.max_positions,
+                         encode, lambda width: width)
   model = (models.load_default(batch_invariant=invariant) if path is None else
            models.load_checkpoint(path, batch_invariant=invariant))[0]
-  return (models.batch_prefill(model, extra=steps), models.make_step_fn(nnx.graphdef(model)),
-          model.config.max_len, list)
+  return _AuditSubject(models.batch_prefill(model, extra=steps),
+                       models.make_step_fn(nnx.graphdef(model)), model.config.max_len, list,
+                       bucket_length)
 
 
 def _audit(args) -> None:
@@ -564,10 +575,9 @@ def _audit(args) -> None:
     _files.read_input(args.model, "checkpoint")
   # Everything that can be refused is checked before the header, so that an error is one line.
   first = _audit_subject(args.model, True, args.steps)
-  _, _, context, encode = first
-  prompts = [encode(p) for p in audit_prompts(max(8, args.max_batch), args.seed)]
-  width = max(len(p) for p in prompts)  # the widest batch, padded (bucketed: embedded)
-  width = width if encode is not list else bucket_length(width)
+  context = first.context
+  prompts = [first.encode(p) for p in audit_prompts(max(8, args.max_batch), args.seed)]
+  width = first.padded(max(len(p) for p in prompts))  # the widest batch, padded
   if width + args.steps > context:
     hint = (f"use --steps {context - width} or fewer" if context > width else
             "use a model with a longer context")
@@ -577,10 +587,9 @@ def _audit(args) -> None:
         f"random slots and partners), {args.steps} greedy steps, on {jax.default_backend()}")
   summary = []
   for invariant in (True, False):
-    prefill, step_fn, _, _ = first if invariant else _audit_subject(args.model, False,
-                                                                     args.steps)
-    report = invariance_audit(prefill, step_fn, prompts, steps=args.steps, mixes=args.mixes,
-                              max_batch=args.max_batch, seed=args.seed)
+    subject = first if invariant else _audit_subject(args.model, False, args.steps)
+    report = invariance_audit(subject.prefill, subject.step_fn, prompts, steps=args.steps,
+                              mixes=args.mixes, max_batch=args.max_batch, seed=args.seed)
     name = "batch-invariant" if invariant else "plain XLA"
     if args.verbose:
       print(report.format_table(f"--- {name}"))
