@@ -13,6 +13,7 @@ multi-token step that speculative decoding needs).
 """
 
 import codecs
+import functools
 import itertools
 import json
 import random
@@ -31,6 +32,7 @@ import jaxdecode
 from jaxdecode import SamplingParams
 from jaxdecode import structured
 from jaxdecode.models import ByteTokenizer
+import conftest
 import toy_model
 
 BOS, EOS, PAD = ByteTokenizer.BOS, ByteTokenizer.EOS, ByteTokenizer.PAD
@@ -213,10 +215,11 @@ def run_decode(b, **kw):
   # Under jit the params are traced, so the dead-end row's bans follow the traced rule (a step
   # with nothing selectable ends the row); with concrete params decode refuses them up front
   # (test_concrete_bans_that_empty_a_constraint_are_refused_by_every_loop).
+  # 4,292 rows x 64 steps: a program that runs long (conftest.RUNS_LONG).
   return jax.jit(lambda params: jaxdecode.decode(
       STEP, b["state"], b["logits"], key=b["keys"], params=params, max_new_tokens=N,
       positions=b["positions"], eos_ids=[EOS], pad_id=PAD, constraint=b["constraint"],
-      **kw))(b["params"])
+      **kw), compiler_options=conftest.RUNS_LONG)(b["params"])
 
 
 @pytest.fixture(scope="module")
@@ -861,9 +864,11 @@ def test_random_logits_over_a_32k_bpe_vocabulary_give_valid_json(record_property
   logits = logits_at(rows, jnp.zeros(batch, jnp.int32), jnp.zeros(batch, jnp.int32))
   params = SamplingParams(temperature=np.where(np.arange(batch) % 2, 1.5, 1.0),
                           top_p=np.where(np.arange(batch) % 2, 1.0, 0.9))
-  out = jaxdecode.decode(step, {"rows": rows}, logits, key=jax.random.split(base, batch),
-                         params=params, max_new_tokens=n, positions=positions, eos_ids=[eos],
-                         pad_id=tokenizer.token_to_id("<pad>"), constraint=constraint)
+  decode = jax.jit(functools.partial(jaxdecode.decode, step, max_new_tokens=n, eos_ids=[eos],
+                                     pad_id=tokenizer.token_to_id("<pad>")),
+                   compiler_options=conftest.RUNS_LONG)  # 32 rows x 160 steps over 32k logits
+  out = decode({"rows": rows}, logits, key=jax.random.split(base, batch), params=params,
+               positions=positions, constraint=constraint)
   toks, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
   finished = np.asarray(out.finished)
   pattern = schema_regex(BPE_SCHEMA)
