@@ -503,7 +503,7 @@ def test_speculative_decoding_with_the_stacked_constraint_equals_decode_bit_for_
   spec = jax.jit(lambda params: jaxdecode.speculative_decode(  # traced params, as run_decode
       STEP, state, logits, key=b["keys"][np.asarray(rows)], params=params, max_new_tokens=N,
       positions=positions, eos_ids=[EOS], pad_id=PAD, constraint=constraint, drafter=drafter,
-      num_draft_tokens=4))(params)
+      num_draft_tokens=4), compiler_options=conftest.RUNS_LONG)(params)  # as run_decode's
   out = {k: v[rows] for k, v in b["out"].items()}
   np.testing.assert_array_equal(np.asarray(spec.tokens), out["tokens"])
   np.testing.assert_array_equal(np.asarray(spec.logprobs), out["logprobs"])
