@@ -46,7 +46,8 @@ def mode() -> str | None:
 
 
 @contextlib.contextmanager
-def _tracing(value: str):
+def tracing(value: str):
+  """Trace the body in formulation `value` (as `by_platform` does for each of its branches)."""
   previous = getattr(_state, "mode", None)
   _state.mode = value
   try:
@@ -66,7 +67,7 @@ def by_platform(fn: Callable, *args):
 
   def traced_as(value):
     def run(*a):
-      with _tracing(value):
+      with tracing(value):
         return fn(*a)
     return run
 

@@ -746,7 +746,20 @@ def process_f32(logits: jax.Array, params: SamplingParams,
     mu: float32[B], each row's mirostat state (the loops carry it), or None: its initial
       value 2·mirostat_tau.
   """
-  return _platform.by_platform(_process_f32, logits, params, counts, keys, history, mu)
+  current = _platform.mode()
+  if current is None:
+    return _platform.by_platform(process_f32, logits, params, counts, keys, history, mu)
+  return _chain(logits, params, counts, keys, history, mu, formulation=current)
+
+
+@functools.partial(jax.jit, static_argnames=("formulation",))
+def _chain(logits, params, counts, keys, history, mu, *, formulation: str):
+  """`_process_f32` traced in one formulation, jitted so that a loop traces its chain once:
+  a loop holds it up to three times (on a GPU the first round, the chunks and a last partial
+  chunk draw apart), and loops of the same batch and vocabulary share it. Inside another jit it
+  is a call that XLA inlines: the compiled program is the one the inline chain gives."""
+  with _platform.tracing(formulation):
+    return _process_f32(logits, params, counts, keys, history, mu)
 
 
 def _process_f32(logits, params, counts, keys, history, mu):
