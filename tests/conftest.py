@@ -54,11 +54,11 @@ def _use_cache(path: str) -> None:
 # Every bitwise assertion compares programs compiled with the same flags (or, for RUNS_LONG
 # below, at another LLVM level under the same cap, which changes no arithmetic: with no FMA
 # instruction to contract into and no fast-math, LLVM keeps every IEEE operation and its
-# order at every level). XLA's default code
-# generation stays under test all the same: tests/test_invariance.py runs the construction's
-# tests and the step-against-forward tests again under it, and its tests of older instruction
-# sets start processes with XLA's defaults (capped at AVX2, SSE4.2). Processes started with
-# 8 host devices compile as the run does (`xla_flags`).
+# order at every level). XLA's default code generation stays under test all the same:
+# tests/test_invariance.py runs the construction's tests and the step-against-forward tests
+# again under it, and its tests of older instruction sets start processes with XLA's
+# defaults (capped at AVX2, SSE4.2). Processes started with 8 host devices compile as the run
+# does (`xla_flags`).
 # JAXDECODE_TEST_XLA_FLAGS=default compiles with XLA's defaults throughout.
 _FLAGS_ENV = "JAXDECODE_TEST_XLA_FLAGS"
 _EMITTERS = "--xla_cpu_use_fusion_emitters=false"
