@@ -271,7 +271,8 @@ def transformers(model, params=None, tokenizer=None, *, eos_ids=None, pad_id=Non
       adapter's functions take right-padded prompts either way.
 
   Returns:
-    An `Adapter`. Its state is `{"cache", "slots", "params"}` (see this module's docstring).
+    An `Adapter`. Its state is `{"cache", "slots", "params"}` (see this module's docstring;
+    under `batch_invariant`, "params" is a `jaxdecode.batch_invariant.Weights`).
 
   Raises:
     ValueError: for a model without `init_cache`, missing weights, a tokenizer with more ids
@@ -403,7 +404,9 @@ def shared_index_functions(key, run: Callable, init_cache: Callable, *, invarian
   key = (key, invariant, padding)  # the options are part of the program
   if key in _FUNCTIONS:
     return _FUNCTIONS[key]
-  run = _batch_invariant(run) if invariant else run
+  # Under batch_invariant the state carries the weights as `Weights`: the copies of the weights
+  # the model transposes are made once per prefill, not on every step (see `batch_invariant`).
+  run = _batch_invariant(run, weights=0) if invariant else run
 
   def forward(params, tokens, lengths, cache_length):
     batch, width = tokens.shape
@@ -416,7 +419,10 @@ def shared_index_functions(key, run: Callable, init_cache: Callable, *, invarian
       tokens = jnp.take_along_axis(tokens, jnp.maximum(positions, 0), axis=1)
     slots = jnp.arange(cache_length, dtype=jnp.int32)[None, :] - shift
     slots = jnp.where((slots >= 0) & (slots < lengths[:, None]), slots, -1)  # [B, S]
-    logits, cache = run(params, cache, tokens, jnp.maximum(positions, 0), slots)
+    positions = jnp.maximum(positions, 0)
+    if invariant:
+      params = run.prepare(params, cache, tokens, positions, slots)
+    logits, cache = run(params, cache, tokens, positions, slots)
     if left:  # back to the right-padded layout: token p's logits in column p
       logits = jnp.take_along_axis(logits, jnp.minimum(columns + shift, width - 1)[..., None],
                                    axis=1)

@@ -21,15 +21,16 @@ reduction axis laid out first, each step one elementwise pass over the outputs.
   the chain over the reduced axes, flattened in order.
 - `dot_general` (every layout: batch dims, several contracting dims, `precision`,
   `preferred_element_type`): the chain of multiply-adds l[k] * r[k] over the contracting dims
-  flattened in order, both operands laid out contraction-major so that a step reads contiguous
-  slices, each step one pass over the output at every shape (a second layout for large
-  outputs, blocks of 32 terms over tiles of 32 columns as
-  `jaxdecode.models.numerics.chain_matmul`, was up to 1.5x faster there but contracted other
-  multiply-adds into FMAs than the one-pass loop: a row's bits changed where batching made
-  its output large). Lanes chosen by the index modulo a width are not shift-invariant, and
-  are not used. Operands narrower than float32 are
-  multiplied and accumulated in float32; `precision` is moot (every product is an exactly
-  rounded elementwise multiply).
+  flattened in order, both operands read contraction-major so that a term is two contiguous
+  slices, `UNROLL` terms per loop iteration in one pass over the output, the same loop at
+  every shape (a second layout for large outputs, blocks of 32 terms over tiles of 32 columns
+  as `jaxdecode.models.numerics.chain_matmul`, was up to 1.5x faster there but contracted
+  other multiply-adds into FMAs than the one-pass loop: a row's bits changed where batching
+  made its output large). Lanes chosen by the index modulo a width are not shift-invariant,
+  and are not used. Operands narrower than float32 are multiplied and accumulated in float32;
+  `precision` is moot (every product is an exactly rounded elementwise multiply). A weight the
+  function transposes is copied on every call; `batch_invariant(fn, weights=i)` and `Weights`
+  make those copies once, outside a loop.
 - `reduce_prod`: the chain of multiplies from 1.0 (ones at either end are no-ops).
 - `cumsum`, `cumprod`, `cumlogsumexp`: the chain, every prefix kept (from +0.0, 1.0, -inf).
 - `reduce_window_sum` (and an add `reduce_window`): the window's offsets added in order.
@@ -99,16 +100,16 @@ import functools
 import itertools
 import math
 import threading
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-UNROLL = 4  # steps of a sum's chain per loop iteration (layout only: the bits do not depend on it)
+UNROLL = 4  # terms of a chain per loop iteration (layout only: the bits do not depend on it)
 
-__all__ = ["batch_invariant", "BatchInvariantError"]
+__all__ = ["batch_invariant", "BatchInvariantError", "Weights"]
 
 
 class BatchInvariantError(NotImplementedError, ValueError):
@@ -178,15 +179,50 @@ def fixed_prod(x: jax.Array, axes) -> jax.Array:
   return _chain(x, lax.mul, 1).astype(out_dtype)
 
 
+def _term_reader(x: jax.Array, contracting, batch, free, terms: int, acc_dtype):
+  """`read(t) -> [nb, m]`: term t's slice of x (its contracting dims at t, unravelled in order).
+
+  x is first laid out contraction-major (a transpose, skipped where x already is), so that a
+  term is one contiguous slice. The slice is read, reshaped and cast inside the chain's loop:
+  a reshape or cast of the whole operand before the loop would be copied every call (XLA
+  copies a bitcast of a weight it passes into a loop). With `terms` past K, x is padded with
+  zeros to `terms` first (a copy, made only then).
+  """
+  perm = tuple(contracting) + tuple(batch) + tuple(free)
+  if perm != tuple(range(x.ndim)):
+    x = lax.transpose(x, perm)
+  shape = x.shape[:len(contracting)]
+  if terms > math.prod(shape):
+    x = x.reshape((math.prod(shape),) + x.shape[len(shape):])
+    x = jnp.pad(x, [(0, terms - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+    shape = (terms,)
+  sizes = (1,) * len(shape) + x.shape[len(shape):]
+  nb = math.prod(x.shape[len(shape):len(shape) + len(batch)])
+
+  def read(t):
+    starts = []
+    for size in reversed(shape):
+      starts.append(t % size)
+      t = t // size
+    starts = starts[::-1] + [0] * (x.ndim - len(shape))
+    return lax.dynamic_slice(x, starts, sizes).reshape(nb, -1).astype(acc_dtype)
+
+  return read
+
+
 def chain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype) -> jax.Array:
   """`lax.dot_general` as an in-order chain of multiply-adds over the contraction.
 
   Output element e is acc_K where acc_0 = +0.0 and acc_{k+1} = acc_k + l_e[k] * r_e[k], k
   running over the contracting dims flattened in order: an order fixed by the program. Both
-  operands are first laid out contraction-major ([K, batch, free]), so step k reads two
-  contiguous slices; the steps are a `lax.scan`, each one pass over the output. The same loop
-  at every shape: XLA contracts its multiply-add into an FMA alike for every element and batch
-  size (measured), which a second layout for large outputs did not (see below).
+  operands are read contraction-major, so term k is two contiguous slices; a loop runs
+  `UNROLL` terms per iteration, each iteration one pass over the output (XLA fuses the terms'
+  multiply-adds into one kernel that keeps the output in registers across them). When K is
+  not a multiple of `UNROLL`, the operands are padded with zero terms (0 * 0 added to acc
+  leaves it as it is; a select of zeros inside the loop kept XLA from contracting some of the
+  multiply-adds into FMAs, measured). The same loop at every shape: XLA contracts its multiply-adds into
+  FMAs alike for every element and batch size (measured), which a second layout for large
+  outputs did not (see below).
   """
   (lc, rc), (lb, rb) = dimension_numbers
   lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
@@ -201,18 +237,24 @@ def chain_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype) -> j
   out_shape = batch_shape + lfree + rfree
   if k == 0 or nb * m * n == 0:
     return jnp.zeros(out_shape, out_dtype)
-  left = lax.transpose(lhs, lc + lb + lf).reshape(k, nb, m).astype(acc_dtype)
-  right = lax.transpose(rhs, rc + rb + rf).reshape(k, nb, n).astype(acc_dtype)
-  zero = _varying_like(_varying_like(jnp.zeros((), acc_dtype), left), right)
-  # One pass over the output per term, at every shape. (Updating a large output once per block
-  # of 32 terms was faster there, but XLA contracted its multiply-adds into FMAs in other places
+  terms = -(-k // UNROLL) * UNROLL  # K, or past it by zeros (0 * 0 added leaves acc as it is)
+  read_left = _term_reader(lhs, lc, lb, lf, terms, acc_dtype)
+  read_right = _term_reader(rhs, rc, rb, rf, terms, acc_dtype)
+  zero = _varying_like(_varying_like(jnp.zeros((), acc_dtype), lhs), rhs)
+  # Every term in one loop, at every shape. (Updating a large output once per block of 32
+  # terms was faster there, but XLA contracted its multiply-adds into FMAs in other places
   # than this loop's, so a row got other bits where the batch made its output large: a
   # [1, 17, 32] @ [32, 97] row against the same row of [12, 17, 32] @ [32, 97]. Any switch of
   # layout on a size that batching or padding can change breaks the promise.)
-  def step(acc, lr):
-    return acc + lr[0][:, :, None] * lr[1][:, None, :], None
 
-  acc = lax.scan(step, jnp.broadcast_to(zero, (nb, m, n)), (left, right))[0]
+  def iteration(i, acc):
+    for u in range(UNROLL):
+      t = i * UNROLL + u
+      left, right = read_left(t), read_right(t)
+      acc = acc + left[:, :, None] * right[:, None, :]
+    return acc
+
+  acc = lax.fori_loop(0, terms // UNROLL, iteration, jnp.broadcast_to(zero, (nb, m, n)))
   return acc.reshape(out_shape).astype(out_dtype)
 
 
@@ -451,6 +493,11 @@ def _outer() -> list:
   return _STATE.outer
 
 
+def _hoisted() -> dict:
+  """{id(weight leaf being evaluated): {permutation: its transposed copy}} (`Weights`)."""
+  return getattr(_STATE, "hoisted", {})
+
+
 def _where(eqn) -> str:
   """The user's source line of `eqn`, or of the innermost enclosing equation that has one.
 
@@ -596,6 +643,9 @@ def _rewrite(eqn, invals):
     if name == "mul":
       return [exact_product(x, invals[1])]
     return [_integer_power(x, 2 if name == "square" else p["y"])]
+  if name == "transpose":  # of a weight `Weights` carries transposed: read the copy
+    copy = _hoisted().get(id(invals[0]), {}).get(tuple(p["permutation"]))
+    return [copy] if copy is not None else _bind(eqn, invals)
   if name in _LINALG:
     _refuse(eqn, "linear algebra kernels order their sums themselves")
   if name in ("pallas_call", "ffi_call", "custom_call", "tpu_custom_call", "mosaic_gpu_call",
@@ -699,10 +749,45 @@ def _eval_jaxpr(jaxpr, consts, args) -> list:
 
 
 # ---------------------------------------------------------------------------------------------
+# Weights: transposes of weights made once, outside a loop.
+
+
+class Weights(NamedTuple):
+  """Weights with the transposed copies a `batch_invariant` function reads (`f.prepare`).
+
+  A chain reads a product's operands contraction-major, so a weight the model transposes (a
+  GPT-2 `Conv1D` kernel, a tied embedding as the output layer) is transposed into a copy on
+  every call, which XLA cannot move out of a decoding loop that calls the model under a
+  `cond`. `Weights` carries those copies, made once: `transposed[(leaf, permutation)]` is
+  `lax.transpose(leaf'th leaf of weights, permutation)`. A pytree: carry it in a loop's state.
+  """
+  weights: Any
+  transposed: dict
+
+
+def _weight_transposes(jaxpr, leaves: dict) -> set:
+  """{(leaf, permutation)}: the float transposes `jaxpr` applies to `leaves` ({var: leaf index}),
+  looked for inside the `jit`s it calls (which the interpreter inlines), not inside loops."""
+  from jax._src import core  # pylint: disable=import-outside-toplevel
+  found = set()
+  for eqn in jaxpr.eqns:
+    invars = [v if isinstance(v, core.Var) else None for v in eqn.invars]
+    if (eqn.primitive.name == "transpose" and invars[0] in leaves
+        and _is_float(invars[0].aval.dtype)):
+      found.add((leaves[invars[0]], tuple(eqn.params["permutation"])))
+    elif eqn.primitive.name in ("jit", "pjit", "closed_call", "core_call"):
+      inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      inner = getattr(inner, "jaxpr", inner)
+      found |= _weight_transposes(inner, {iv: leaves[ov] for ov, iv in zip(invars, inner.invars)
+                                          if ov in leaves})
+  return found
+
+
+# ---------------------------------------------------------------------------------------------
 # The transformation.
 
 
-def batch_invariant(fn: Callable) -> Callable:
+def batch_invariant(fn: Callable, *, weights: int | None = None) -> Callable:
   """Makes `fn` batch-invariant: every float sum it does gets an order the program fixes.
 
   Like `jax.vmap`, it returns a function of the same arguments. When called, `fn` is traced
@@ -734,9 +819,18 @@ def batch_invariant(fn: Callable) -> Callable:
   `ffi_call`), float cross-device sums (`psum`, inside `shard_map`), and any primitive not on
   the allow-list of elementwise, structural and exact operations.
 
+  Weights the same across calls (a decoding loop's): with `weights=i`, positional argument i
+  holds them, and the returned function has `prepare(*args, **kwargs)`, which traces `fn` on a
+  call's arguments and returns argument i as `Weights`: the weights and a transposed copy of
+  each weight `fn` transposes. Given the `Weights` in place of the weights, a call reads the
+  copies instead of transposing (the same bits): make them once, outside the loop (measured:
+  transformers' Flax GPT-2, whose `Conv1D` kernels and tied output layer are transposed, spent
+  about 2 ms of a 7 ms step copying them). It holds those weights twice.
+
   Args:
     fn: a function of arrays (pytrees in and out, positional or keyword arguments, all
       traced). Bind static arguments with `functools.partial` first.
+    weights: the position of an argument holding weights that calls share, or None.
 
   Returns:
     The batch-invariant function, with `fn`'s signature.
@@ -751,10 +845,30 @@ def batch_invariant(fn: Callable) -> Callable:
     True
   """
 
+  if weights is not None and (isinstance(weights, bool) or not isinstance(weights, int)
+                              or weights < 0):
+    raise ValueError(f"weights must be the position of an argument (an int >= 0) or None; "
+                     f"got {weights!r}")
+
+  def unpacked(args):
+    """(args with `Weights` replaced by its weights, {flat leaf index: {perm: copy}})."""
+    if weights is None or len(args) <= weights or not isinstance(args[weights], Weights):
+      return args, {}
+    given = args[weights]
+    args = args[:weights] + (given.weights,) + args[weights + 1:]
+    offset = len(jax.tree_util.tree_leaves(args[:weights]))
+    copies = {}
+    for (leaf, perm), copy in given.transposed.items():
+      copies.setdefault(offset + leaf, {})[tuple(perm)] = copy
+    return args, copies
+
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
+    args, copies = unpacked(args)
     flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
     flat = [jnp.asarray(a) if not hasattr(a, "dtype") else a for a in flat]
+    where = [(i, perm) for i in sorted(copies) for perm in sorted(copies[i])]
+    extra = [copies[i][perm] for i, perm in where]
 
     def plain(*flat_args):
       args, kwargs = jax.tree_util.tree_unflatten(in_tree, flat_args)
@@ -764,7 +878,15 @@ def batch_invariant(fn: Callable) -> Callable:
     out_tree = jax.tree_util.tree_structure(out_shape)
 
     def rewritten(*flat_args):
-      return _eval_jaxpr(closed.jaxpr, closed.consts, flat_args)
+      flat_args, extra_args = flat_args[:len(flat)], flat_args[len(flat):]
+      hoisted = {}
+      for (i, perm), copy in zip(where, extra_args):
+        hoisted.setdefault(id(flat_args[i]), {})[perm] = copy
+      previous, _STATE.hoisted = _hoisted(), hoisted
+      try:
+        return _eval_jaxpr(closed.jaxpr, closed.consts, flat_args)
+      finally:
+        _STATE.hoisted = previous
 
     @jax.custom_jvp
     def run(*flat_args):
@@ -772,11 +894,40 @@ def batch_invariant(fn: Callable) -> Callable:
 
     @run.defjvp
     def _jvp(primals, tangents):
+      # The copies' tangents are dropped: the plain `fn` differentiates through the weights.
       out = rewritten(*primals)
       _, tangents_out = jax.jvp(lambda *a: jax.tree_util.tree_leaves(plain(*a)),
-                                list(primals), list(tangents))
+                                list(primals[:len(flat)]), list(tangents[:len(flat)]))
       return out, tangents_out
 
-    return jax.tree_util.tree_unflatten(out_tree, run(*flat))
+    return jax.tree_util.tree_unflatten(out_tree, run(*flat, *extra))
 
+  def prepare(*args, **kwargs) -> Weights:
+    """Argument `weights` of a call with these arguments, as `Weights` (see `batch_invariant`)."""
+    args, _ = unpacked(args)
+    if len(args) <= weights:
+      raise ValueError(f"prepare needs the arguments of a call: argument {weights} (the "
+                       f"weights) is missing; got {len(args)} positional arguments")
+    flat, _ = jax.tree_util.tree_flatten((args, kwargs))
+    flat = [jnp.asarray(a) if not hasattr(a, "dtype") else a for a in flat]
+    offset = len(jax.tree_util.tree_leaves(args[:weights]))
+    leaves = jax.tree_util.tree_leaves(args[weights])
+    in_tree = jax.tree_util.tree_structure((args, kwargs))
+
+    def plain(*flat_args):
+      call_args, call_kwargs = jax.tree_util.tree_unflatten(in_tree, flat_args)
+      return fn(*call_args, **call_kwargs)
+
+    closed = jax.make_jaxpr(plain)(*flat)
+    found = _weight_transposes(closed.jaxpr, {v: i - offset for i, v in
+                                              enumerate(closed.jaxpr.invars)
+                                              if offset <= i < offset + len(leaves)})
+    return Weights(args[weights], {(leaf, perm): lax.transpose(jnp.asarray(leaves[leaf]), perm)
+                                   for leaf, perm in sorted(found)})
+
+  if weights is not None:
+    wrapped.prepare = prepare
   return wrapped
+
+
+batch_invariant.Weights = Weights  # reachable as jaxdecode.batch_invariant.Weights (the function)

@@ -8,6 +8,7 @@ inside batches of 2, 3, 7 and 33 rows (the other rows random, the row at a rando
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -465,6 +466,64 @@ def test_pytrees_in_and_out_and_integers_pass():
   assert int(out["n"]) == 6 and out["n"].dtype == jnp.int32
   np.testing.assert_array_equal(out["s"], [5.0, 5.0])
   np.testing.assert_array_equal(out["pair"][0], np.full((2, 2), 5.0))
+
+
+def _tied_model(w, x):
+  """A model that transposes its weights, as GPT-2's `Conv1D` and a tied output layer do."""
+  h = jnp.tanh(x @ w["proj"].T + w["bias"][None, :])
+  return jax.nn.log_softmax(jax.jit(lambda h, e: h @ e.T)(h, w["embed"]), axis=-1)
+
+
+def _tied_weights(seed=21):
+  rng = np.random.default_rng(seed)
+  return {"proj": rng.standard_normal((24, 40)).astype(np.float32) / 6,
+          "bias": rng.standard_normal(24).astype(np.float32),
+          "embed": rng.standard_normal((50, 24)).astype(np.float32) / 5}
+
+
+def test_weights_carry_the_transposes_and_change_no_bit():
+  """`weights=0`: `prepare` finds the two transposes the model makes of its weights (one inside
+  a `jit`), and a call given the `Weights` reads their copies: no weight is transposed in its
+  program, and every output bit, row and derivative is that of a call given the weights."""
+  w, x = _tied_weights(), np.random.default_rng(22).standard_normal((6, 40)).astype(np.float32)
+  model = batch_invariant(_tied_model, weights=0)
+  prepared = model.prepare(w, x)
+  assert sorted(prepared.transposed) == [(1, (1, 0)), (2, (1, 0))]  # leaves embed, proj
+  _assert_bitwise(prepared.transposed[(2, (1, 0))], w["proj"].T)
+  run = jax.jit(model)
+  _assert_bitwise(run(prepared, x), run(w, x), "Weights vs weights")
+  _assert_bitwise(run(prepared, x), jax.jit(batch_invariant(_tied_model))(w, x), "vs no option")
+  _assert_bitwise(run(prepared, x[3:4])[0], run(prepared, x)[3], "row 3 alone")
+
+  def transposed_shapes(*args):
+    jaxpr = jax.make_jaxpr(model)(*args).jaxpr
+    found = []
+    def walk(jaxpr):
+      for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "transpose":
+          found.append(tuple(eqn.invars[0].aval.shape))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+          walk(sub)
+    walk(jaxpr)
+    return found
+
+  assert (24, 40) in transposed_shapes(w, x) and (50, 24) in transposed_shapes(w, x)
+  assert not {(24, 40), (50, 24)} & set(transposed_shapes(prepared, x))
+  loss = lambda weights: model(weights, x)[:, 7].sum()
+  grads, plain = jax.grad(loss)(prepared).weights, jax.grad(
+      lambda w: _tied_model(w, x)[:, 7].sum())(w)
+  for name in w:
+    np.testing.assert_allclose(grads[name], plain[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_weights_option_and_prepare_refuse_bad_input():
+  with pytest.raises(ValueError, match="weights must be the position"):
+    batch_invariant(_tied_model, weights=-1)
+  with pytest.raises(ValueError, match="weights must be the position"):
+    batch_invariant(_tied_model, weights=True)
+  with pytest.raises(ValueError, match="argument 1 .* is missing"):
+    batch_invariant(_tied_model, weights=1).prepare(_tied_weights())
+  assert not hasattr(batch_invariant(_tied_model), "prepare")
 
 
 def _refused(fn, *args, primitive):

@@ -105,26 +105,36 @@ def transformers_gpt2(config: Mapping | None = None, seed: int = 0):
   return model, params
 
 
-def transformers_step_fns(model):
+def transformers_step_fns(model, invariant: bool = False):
   """A transformers Flax causal LM as `(prefill, step_fn)` over its own cache, laid out as its
   `generate` lays out left-padded prompts (`prepare_inputs_for_generation`).
 
   `prefill(params, tokens [B, T], mask [B, S], cache)` (left-padded prompts; `mask` the
   prompts' mask followed by ones up to the cache's S slots; `cache` zeros of `init_cache(B, S)`)
   -> `(logits [B, V], state)`; `step_fn(state, tokens [B], positions [B])` is `decode`'s. The
-  state holds the weights, the cache and the mask.
+  state holds the weights, the cache and the mask. `invariant`: the model runs under
+  `jaxdecode.batch_invariant(..., weights=0)`, and the state holds its `Weights` (the
+  transposes of GPT-2's kernels and tied output layer made once, by the prefill).
   """
+
+  def call(params, tokens, mask, positions, cache):
+    out = model(tokens, attention_mask=mask, position_ids=positions, params=params,
+                past_key_values=cache)
+    return out.logits[:, -1], out.past_key_values
+
+  forward = jaxdecode.batch_invariant(call, weights=0) if invariant else call
 
   def prefill(params, tokens, mask, cache):
     position_ids = jnp.cumsum(mask[:, :tokens.shape[1]], -1) - 1  # padding gets -1, as generate
-    out = model(tokens, attention_mask=mask, position_ids=position_ids, params=params,
-                past_key_values=cache)
-    return out.logits[:, -1], {"params": params, "cache": out.past_key_values, "mask": mask}
+    if invariant:
+      params = forward.prepare(params, tokens, mask, position_ids, cache)
+    logits, cache = forward(params, tokens, mask, position_ids, cache)
+    return logits, {"params": params, "cache": cache, "mask": mask}
 
   def step_fn(state, tokens, positions):
-    out = model(tokens[:, None], attention_mask=state["mask"], position_ids=positions[:, None],
-                params=state["params"], past_key_values=state["cache"])
-    return out.logits[:, -1], {**state, "cache": out.past_key_values}
+    logits, cache = forward(state["params"], tokens[:, None], state["mask"], positions[:, None],
+                            state["cache"])
+    return logits, {**state, "cache": cache}
 
   return prefill, step_fn
 
@@ -132,7 +142,7 @@ def transformers_step_fns(model):
 def transformers_numerics_row(batch: int, *, runs: int = RUNS, max_new_tokens: int = 64,
                               model=None, seed: int = 0) -> dict:
   """Greedy decode tokens/s of transformers' Flax GPT-2 under `jaxdecode.batch_invariant`
-  (prefill and step) over the same model and weights with plain XLA, both through
+  (`transformers_step_fns`) over the same model and weights with plain XLA, both through
   `jaxdecode.decode`, round-robin; and each mode's first decode call (compilation included).
 
   Args:
@@ -154,14 +164,12 @@ def transformers_numerics_row(batch: int, *, runs: int = RUNS, max_new_tokens: i
       jaxdecode.prompt_mask(lengths, tokens.shape[1]).astype(jnp.int32))
   greedy = SamplingParams(temperature=0.0)
   key = jax.random.key(seed)
-  plain_fns = transformers_step_fns(model)
   runs_by_mode, first_call = {}, {}
   with jax.numpy_rank_promotion("allow"):
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
         lambda: model.init_cache(batch, cache_length)))  # init_cache's zeros, without its forward
-    for mode, fns in (("invariant", tuple(map(jaxdecode.batch_invariant, plain_fns))),
-                      ("plain", plain_fns)):
-      prefill, step_fn = fns
+    for mode in ("invariant", "plain"):
+      prefill, step_fn = transformers_step_fns(model, invariant=mode == "invariant")
       logits, state = jax.jit(prefill)(params, tokens, mask, cache)
 
       def run(step_fn=step_fn, state=state, logits=logits):
