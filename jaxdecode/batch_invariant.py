@@ -82,11 +82,11 @@ function's and whose tangents are `jax.jvp` of the plain `fn`; so `jax.grad`, `v
 `jvp` and `vjp` work, the forward values are the rewritten ones, and the backward pass uses
 plain XLA products (it is not batch-invariant).
 
-What it costs (XLA:CPU, a 2-core AVX2 AMD EPYC under load; invariant / plain time, the same
-process, alternating, medians of 50): [8,256] @ [256,1024] 2.0x, [1,1024] @ [1024,1024] 2.2x,
-[64,1024] @ [1024,1024] 4.4x with the blocked layout, about 4.5x (12.2 ms against 2.7, medians
-of 20, loaded) with the one-pass loop alone (plain XLA uses a tuned, multithreaded kernel; the
-chain is one thread of elementwise code); softmax over [8,4096] 1.6-2.1x, layer norm
+What it costs (XLA:CPU, a 2-core AMD EPYC, quiet; invariant / plain time, the same process,
+alternating, medians of 50): [8,256] @ [256,1024] 0.8x, [1,1024] @ [1024,1024] 1.1x,
+[64,1024] @ [1024,1024] 2.0x (plain XLA uses a tuned, multithreaded kernel; the chain is
+elementwise code, four terms per pass over the output; one term per pass, as before, was
+2.0x, 2.2x and 4.5x under load); softmax over [8,4096] 1.6-2.1x, layer norm
 [64,1024] 2.5x; a sum over [8,4096] 0.5x and a cumsum 0.2x (XLA:CPU's own row reductions are slow at these shapes).
 Tracing runs `fn` once more (`make_jaxpr`) per call outside `jit`; compiling a chain is a loop.
 A fully unrolled chain or lanes by index modulo a width were measured no faster, or not
@@ -808,8 +808,8 @@ def batch_invariant(fn: Callable, *, weights: int | None = None) -> Callable:
   the function's own float multiplies are made exact so that contraction cannot matter), nor
   equal bits between `jit` and eager evaluation (eager runs each op alone: no FMA across ops).
 
-  Cost: products run as elementwise code instead of a matrix kernel (measured on XLA:CPU: 2x
-  a plain product of [8,256] @ [256,1024], about 4.5x at [64,1024] @ [1024,1024]); a softmax
+  Cost: products run as elementwise code instead of a matrix kernel (measured on XLA:CPU:
+  0.8x a plain product of [8,256] @ [256,1024], 2x at [64,1024] @ [1024,1024]); a softmax
   about 2x; see the module docstring.
 
   Refused (a `BatchInvariantError`, both `NotImplementedError` and `ValueError`, at trace time,

@@ -5,8 +5,8 @@ negative control, and what the cost is measured against). Weights are arguments,
 over (XLA picks other kernels for constants).
 
 Why hand-written, when `jaxdecode.batch_invariant` rewrites any model: the plain step under that
-transformation decodes at 0.39x (B = 1) and 0.78x (B = 8) of these functions' tokens/s on a
-2-core AVX2 CPU (greedy, 32 tokens), past the 10% the transformation may cost here; its chains
+transformation decodes at 0.81x (B = 1) and 0.69x (B = 8) of these functions' tokens/s on a
+2-core AMD EPYC (greedy, 32 tokens), past the 10% the transformation may cost here; its chains
 cannot use the tiled weights (`chain_blocks`) nor attention's early exit after the last chunk.
 
 Why plain ops are not invariant: a product `x @ w`, a `jnp.sum` or a softmax's normalizer is one
