@@ -334,10 +334,11 @@ def test_transformers_numerics_table_on_a_tiny_gpt2_or_a_line_saying_why_not(mon
                                     "n_positions": 64})
     (row,) = bench.transformers_numerics_table(batches=(2,), runs=5, max_new_tokens=4,
                                                model=tiny)
-    assert row["batch"] == 2 and set(row["median_s"]) == set(row["first_call_s"]) == {
-        "invariant", "plain"}
+    assert row["batch"] == 2 and set(row["median_s"]) == set(row["first_call_s"]) == set(
+        row["train_s"]) == {"invariant", "plain"}
+    assert set(row["ratio"]) == {"invariant_vs_plain", "train_invariant_vs_plain"}
     for value in [*row["median_s"].values(), *row["first_call_s"].values(),
-                  *row["ratio"].values()]:
+                  *row["train_s"].values(), *row["ratio"].values()]:
       assert _positive_finite(value)
     rows = [row] + skipped
   result = {"command": "", "machine": bench.machine_info(), "notes": [], "kernel": [],
@@ -345,6 +346,7 @@ def test_transformers_numerics_table_on_a_tiny_gpt2_or_a_line_saying_why_not(mon
             "settings": {"runs": 5, "warmup": 2, "seconds": 1.0, "max_new_tokens": 4}}
   table = bench.format_table(result)
   assert "transformers' Flax GPT-2" in table and "skipped: transformers with its Flax" in table
+  assert ("train inv/plain" in table) == HAS_TRANSFORMERS
   assert max(len(line) for line in table.splitlines()) <= 100
 
 

@@ -102,7 +102,8 @@ from jaxdecode.tools.bench.kernels import (CONTROL_ALLOWED, CONTROL_HISTORY, CON
 from jaxdecode.tools.bench.numerics import (HF_GPT2, HF_NUMERICS_BATCHES, numerics_row,
                                             numerics_table, transformers_gpt2,
                                             transformers_numerics_row,
-                                            transformers_numerics_table, transformers_step_fns)
+                                            transformers_numerics_table, transformers_step_fns,
+                                            transformers_training_step)
 from jaxdecode.tools.bench.report import format_table, machine_info, run_benchmarks, usable_cpus
 from jaxdecode.tools.bench.scoring import SCORING_RUNS, scoring_row, scoring_table
 from jaxdecode.tools.bench.speculative import spec_prompts, spec_row, spec_table

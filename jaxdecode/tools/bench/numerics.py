@@ -139,6 +139,30 @@ def transformers_step_fns(model, invariant: bool = False):
   return prefill, step_fn
 
 
+TRAIN_WIDTH = 64  # tokens per row of the training-step rows
+
+
+def transformers_training_step(model, params, tokens, invariant: bool) -> Callable[[], Any]:
+  """A zero-argument run of `jax.jit(jax.value_and_grad(loss))`, the loss the mean next-token
+  negative log-likelihood of `tokens` [B, T] under the model's forward pass over them: under
+  `jaxdecode.batch_invariant(..., weights=0)` (its `Weights` prepared once) or plain. The
+  invariant forward gives the values; the derivatives are the plain forward's (plain products)."""
+
+  def call(weights, tokens):
+    with jax.numpy_rank_promotion("allow"):  # transformers' code broadcasts by NumPy's rules
+      return model(tokens, params=weights).logits
+
+  forward = jaxdecode.batch_invariant(call, weights=0) if invariant else call
+  weights = forward.prepare(params, tokens) if invariant else params
+
+  def loss(weights):
+    logp = jax.nn.log_softmax(forward(weights, tokens)[:, :-1], axis=-1)
+    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+
+  step = jax.jit(jax.value_and_grad(loss))
+  return lambda: step(weights)
+
+
 def transformers_numerics_row(batch: int, *, runs: int = RUNS, max_new_tokens: int = 64,
                               model=None, seed: int = 0) -> dict:
   """Greedy decode tokens/s of transformers' Flax GPT-2 under `jaxdecode.batch_invariant`
@@ -154,7 +178,9 @@ def transformers_numerics_row(batch: int, *, runs: int = RUNS, max_new_tokens: i
 
   Returns:
     A dict with `batch`, `max_new_tokens`, `runs`, `median_s` (invariant, plain),
-    `first_call_s` (invariant, plain) and `ratio`: `invariant_vs_plain` (tokens/s).
+    `first_call_s` (invariant, plain), `train_s` (`transformers_training_step`'s medians over
+    B x TRAIN_WIDTH tokens) and `ratio`: `invariant_vs_plain` (tokens/s),
+    `train_invariant_vs_plain` (time).
   """
   model, params = model or transformers_gpt2()
   prompts = _prompts(model.config.vocab_size, batch, seed)
@@ -180,9 +206,15 @@ def transformers_numerics_row(batch: int, *, runs: int = RUNS, max_new_tokens: i
       first_call[mode] = _first_call_s(run)
       runs_by_mode[mode] = run
   medians = _medians(time_round_robin(runs_by_mode, runs))
+  text = jax.random.randint(jax.random.key(seed), (batch, TRAIN_WIDTH), 0,
+                            model.config.vocab_size, jnp.int32)
+  steps = {mode: transformers_training_step(model, params, text, mode == "invariant")
+           for mode in ("invariant", "plain")}
+  train = _medians(time_round_robin(steps, runs))
   return {"batch": batch, "max_new_tokens": max_new_tokens, "runs": runs, "median_s": medians,
-          "first_call_s": first_call,
-          "ratio": {"invariant_vs_plain": medians["plain"] / medians["invariant"]}}
+          "first_call_s": first_call, "train_s": train,
+          "ratio": {"invariant_vs_plain": medians["plain"] / medians["invariant"],
+                    "train_invariant_vs_plain": train["invariant"] / train["plain"]}}
 
 
 def transformers_numerics_table(*, batches: Sequence[int] = HF_NUMERICS_BATCHES,
@@ -231,8 +263,11 @@ def format_tables(result: Mapping) -> list[str]:
     lines += _table.table(
         [f"Numerics: greedy decode, {s['max_new_tokens']} new tokens, transformers' Flax "
          f"GPT-2, batch_invariant vs plain XLA", f"({config}; random weights)"],
-        _INV_PLAIN, result["numerics_transformers"],
+        [*_INV_PLAIN, field("train inv/plain", 15, "ratio", "train_invariant_vs_plain",
+                            fmt=_table.ratio)],
+        result["numerics_transformers"],
         "inv/plain tok/s: tokens/s with the prefill and step under jaxdecode.batch_invariant "
         "over the same model's with plain XLA (1.00 = free); compile: each mode's first decode "
-        "call.")
+        f"call; train inv/plain: a training step (value_and_grad of the next-token loss over "
+        f"B x {TRAIN_WIDTH} tokens) under batch_invariant over plain's time (goal <= 1.5).")
   return lines
