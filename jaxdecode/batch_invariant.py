@@ -787,6 +787,18 @@ def _weight_transposes(jaxpr, leaves: dict) -> set:
 # The transformation.
 
 
+def _flat_call(fn: Callable, args: tuple, kwargs: dict):
+  """`(flat, plain)`: the leaves of `(args, kwargs)` as arrays, and `fn` as a function of them."""
+  flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+  flat = [jnp.asarray(a) if not hasattr(a, "dtype") else a for a in flat]
+
+  def plain(*flat_args):
+    call_args, call_kwargs = jax.tree_util.tree_unflatten(in_tree, flat_args)
+    return fn(*call_args, **call_kwargs)
+
+  return flat, plain
+
+
 def batch_invariant(fn: Callable, *, weights: int | None = None) -> Callable:
   """Makes `fn` batch-invariant: every float sum it does gets an order the program fixes.
 
@@ -850,13 +862,17 @@ def batch_invariant(fn: Callable, *, weights: int | None = None) -> Callable:
     raise ValueError(f"weights must be the position of an argument (an int >= 0) or None; "
                      f"got {weights!r}")
 
+  def first_leaf(args) -> int:
+    """The flat index of argument `weights`' first leaf among the leaves of `(args, kwargs)`."""
+    return len(jax.tree_util.tree_leaves(args[:weights]))
+
   def unpacked(args):
     """(args with `Weights` replaced by its weights, {flat leaf index: {perm: copy}})."""
     if weights is None or len(args) <= weights or not isinstance(args[weights], Weights):
       return args, {}
     given = args[weights]
     args = args[:weights] + (given.weights,) + args[weights + 1:]
-    offset = len(jax.tree_util.tree_leaves(args[:weights]))
+    offset = first_leaf(args)
     copies = {}
     for (leaf, perm), copy in given.transposed.items():
       copies.setdefault(offset + leaf, {})[tuple(perm)] = copy
@@ -865,15 +881,9 @@ def batch_invariant(fn: Callable, *, weights: int | None = None) -> Callable:
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     args, copies = unpacked(args)
-    flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-    flat = [jnp.asarray(a) if not hasattr(a, "dtype") else a for a in flat]
+    flat, plain = _flat_call(fn, args, kwargs)
     where = [(i, perm) for i in sorted(copies) for perm in sorted(copies[i])]
     extra = [copies[i][perm] for i, perm in where]
-
-    def plain(*flat_args):
-      args, kwargs = jax.tree_util.tree_unflatten(in_tree, flat_args)
-      return fn(*args, **kwargs)
-
     closed, out_shape = jax.make_jaxpr(plain, return_shape=True)(*flat)
     out_tree = jax.tree_util.tree_structure(out_shape)
 
@@ -908,16 +918,8 @@ def batch_invariant(fn: Callable, *, weights: int | None = None) -> Callable:
     if len(args) <= weights:
       raise ValueError(f"prepare needs the arguments of a call: argument {weights} (the "
                        f"weights) is missing; got {len(args)} positional arguments")
-    flat, _ = jax.tree_util.tree_flatten((args, kwargs))
-    flat = [jnp.asarray(a) if not hasattr(a, "dtype") else a for a in flat]
-    offset = len(jax.tree_util.tree_leaves(args[:weights]))
-    leaves = jax.tree_util.tree_leaves(args[weights])
-    in_tree = jax.tree_util.tree_structure((args, kwargs))
-
-    def plain(*flat_args):
-      call_args, call_kwargs = jax.tree_util.tree_unflatten(in_tree, flat_args)
-      return fn(*call_args, **call_kwargs)
-
+    flat, plain = _flat_call(fn, args, kwargs)
+    offset, leaves = first_leaf(args), jax.tree_util.tree_leaves(args[weights])
     closed = jax.make_jaxpr(plain)(*flat)
     found = _weight_transposes(closed.jaxpr, {v: i - offset for i, v in
                                               enumerate(closed.jaxpr.invars)
